@@ -1,0 +1,5 @@
+import sys
+
+from kvdiag.cli import main
+
+sys.exit(main())

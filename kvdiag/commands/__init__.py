@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvdiag`` CLI, one module each."""

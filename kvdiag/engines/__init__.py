@@ -1,0 +1,69 @@
+"""Engine adapters: detect which engine served an exposition and normalize it to PoolSamples.
+
+This package is the only place that knows engine names. Each adapter module exposes
+``NAME``, ``WANTED`` (the families it reads), ``SIGNATURE``, ``KNOBS``, ``ENABLE_HINT``,
+``detect(expo)`` and ``normalize(expo, target, ts)``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from kvdiag.engines import sglang, vllm
+from kvdiag.engines.base import Knobs
+from kvdiag.exposition import Exposition, Reader, scan_prefixes
+from kvdiag.model import PoolSample, Scrape
+
+ADAPTERS: dict[str, ModuleType] = {sglang.NAME: sglang, vllm.NAME: vllm}
+
+#: One reader for every family any adapter wants, compiled once per process.
+READER = Reader(name for adapter in ADAPTERS.values() for name in adapter.WANTED)
+
+
+class UnknownEngine(ValueError):
+    """The exposition is from neither engine (or has no diagnosable metrics); says why."""
+
+
+def known_metrics() -> frozenset[str]:
+    """Every engine family name the adapters read (rules and dashboards may only use these)."""
+    return frozenset(READER.wanted)
+
+
+def knobs(engine: str) -> Knobs:
+    return ADAPTERS[engine].KNOBS
+
+
+def enable_hint(engine: str) -> str:
+    return ADAPTERS[engine].ENABLE_HINT
+
+
+def detect(expo: Exposition, body: str | bytes = "", engine: str = "auto") -> ModuleType:
+    """The adapter for this exposition, from its own signature metrics (never from labels).
+
+    ``engine`` may force an adapter ("sglang"/"vllm"); the exposition must still match it.
+    """
+    found = [a for a in ADAPTERS.values() if a.detect(expo)]
+    if engine != "auto":
+        if engine not in ADAPTERS:
+            raise UnknownEngine(f"unknown engine {engine!r}; expected one of {sorted(ADAPTERS)} or auto")
+        if ADAPTERS[engine] not in found:
+            raise UnknownEngine(f"no {engine} scheduler metrics in this exposition")
+        return ADAPTERS[engine]
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        raise UnknownEngine("exposition holds both sglang and vllm scheduler metrics; scrape each engine on its own")
+    prefixes = scan_prefixes(body) if body else []
+    seen = f"; metric prefixes seen: {', '.join(prefixes)}" if prefixes else "; the body has no samples"
+    raise UnknownEngine(
+        "unknown engine: none of the SGLang or vLLM scheduler metrics "
+        f"({', '.join(sglang.SIGNATURE[:2] + vllm.SIGNATURE[:2])}, ...) are present{seen}. "
+        f"A vLLM started with --disable-log-stats serves only http_*/python_*/process_*; {sglang.ENABLE_HINT}."
+    )
+
+
+def normalize_scrape(scrape: Scrape, engine: str = "auto") -> list[PoolSample]:
+    """Exposition text of one scrape to one PoolSample per engine instance."""
+    expo = READER.read(scrape.body, scrape.content_type)
+    adapter = detect(expo, scrape.body, engine)
+    return adapter.normalize(expo, scrape.target, scrape.ts)

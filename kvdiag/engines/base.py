@@ -1,0 +1,187 @@
+"""What both engine adapters share: reading one figure out of a family across topology labels.
+
+An engine's exposition describes one server, which may hold several data-parallel engines
+(each its own KV pool, so its own kvdiag instance) and, within each, tensor/pipeline-parallel
+ranks that report the same figures again. The helpers here pick the samples of one instance,
+collapse duplicates (max over TP/PP ranks and multiprocess pids, which all see the same pool)
+and add up true partitions (streaming vs non-streaming requests, finish reasons).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from kvdiag.exposition import Exposition, Family, Sample
+from kvdiag.model import Histogram, PoolSample, Provenance
+
+#: Labels whose values repeat one engine's figures (ranks of one model replica, processes).
+DUPLICATE_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_cp_rank", "pid"})
+
+
+@dataclass
+class Knobs:
+    """The engine's own flag names for the levers the remedies talk about."""
+
+    admission_limit: str
+    kv_dtype_fp8: str
+    tensor_parallel: str
+    data_parallel: str
+    memory_fraction: str
+    enable_metrics: str
+
+
+@dataclass
+class Instance:
+    """One instance of a server: its key, the split label (if any) and model name."""
+
+    key: str
+    split: dict[str, str] = field(default_factory=dict)
+    model: str | None = None
+
+
+def instance_key(target: str, split: dict[str, str]) -> str:
+    """The target plus the labels that split it, e.g. ``http://h:8000 engine=1``."""
+    return " ".join([target] + [f"{k}={v}" for k, v in sorted(split.items())])
+
+
+def belongs(sample: Sample, split: dict[str, str]) -> bool:
+    """A sample belongs to an instance when it carries its split labels or none of them.
+
+    Server-wide series (SGLang's tokenizer process has no ``dp_rank``) belong to every
+    instance of the server; ``server_wide`` says when that happened.
+    """
+    return all(sample.labels.get(k, v) == v for k, v in split.items())
+
+
+def server_wide(samples: Iterable[Sample], split: dict[str, str]) -> bool:
+    return bool(split) and any(not any(k in s.labels for k in split) for s in samples)
+
+
+def _combine(samples: list[Sample], sum_over: tuple[str, ...]) -> float | None:
+    """Max within each group of duplicates, summed over the ``sum_over`` partitions."""
+    groups: dict[tuple[str, ...], float] = {}
+    for s in samples:
+        key = tuple(s.labels.get(lbl, "") for lbl in sum_over)
+        prev = groups.get(key)
+        v = s.value
+        if prev is None or (v > prev) or (math.isnan(prev) and not math.isnan(v)):
+            groups[key] = v
+    if not groups:
+        return None
+    return float(sum(groups.values()))
+
+
+def value(
+    fam: Family | None,
+    split: dict[str, str],
+    suffix: str = "",
+    select: dict[str, str] | None = None,
+    sum_over: tuple[str, ...] = (),
+) -> float | None:
+    """One figure of one instance from a family, or None when no sample applies."""
+    if fam is None:
+        return None
+    picked = [
+        s
+        for s in fam.samples
+        if s.suffix == suffix
+        and belongs(s, split)
+        and (select is None or all(s.labels.get(k) == v for k, v in select.items()))
+    ]
+    return _combine(picked, sum_over)
+
+
+def histogram(
+    fam: Family | None, split: dict[str, str], sum_over: tuple[str, ...] = ()
+) -> Histogram | None:
+    """A family's cumulative histogram for one instance, partitions added bucket by bucket."""
+    if fam is None:
+        return None
+    by_le: dict[float, list[Sample]] = {}
+    for s in fam.samples:
+        if s.suffix == "_bucket" and belongs(s, split) and "le" in s.labels:
+            by_le.setdefault(float(s.labels["le"]), []).append(s)
+    if not by_le or math.inf not in by_le:
+        return None
+    bounds = tuple(sorted(by_le))
+    counts = tuple(_combine(by_le[b], sum_over) or 0.0 for b in bounds)
+    total = value(fam, split, "_count", sum_over=sum_over)
+    hsum = value(fam, split, "_sum", sum_over=sum_over)
+    return Histogram(bounds, counts, hsum if hsum is not None else math.nan, total if total is not None else counts[-1])
+
+
+def split_values(families: Iterable[Family | None], label: str) -> list[str]:
+    """The values a split label takes on the given families, in numeric-aware order."""
+    seen: set[str] = set()
+    for fam in families:
+        if fam is None:
+            continue
+        for s in fam.samples:
+            if label in s.labels:
+                seen.add(s.labels[label])
+    return sorted(seen, key=lambda v: (len(v), v))
+
+
+def model_name(families: Iterable[Family | None], split: dict[str, str]) -> str | None:
+    for fam in families:
+        if fam is None:
+            continue
+        for s in fam.samples:
+            if "model_name" in s.labels and belongs(s, split):
+                return s.labels["model_name"]
+    return None
+
+
+def first(expo: Exposition, *names: str) -> tuple[str, Family] | tuple[None, None]:
+    """The first of several name variants present in the exposition."""
+    for name in names:
+        fam = expo.get(name)
+        if fam is not None and fam.samples:
+            return name, fam
+    return None, None
+
+
+def put(
+    sample: PoolSample,
+    field_name: str,
+    fam_name: str | None,
+    fam: Family | None,
+    split: dict[str, str],
+    *,
+    suffix: str = "",
+    select: dict[str, str] | None = None,
+    sum_over: tuple[str, ...] = (),
+    note: str = "",
+) -> float | None:
+    """Read one figure into a PoolSample field with its provenance; returns the value."""
+    if fam_name is None or fam is None:
+        return None
+    v = value(fam, split, suffix, select, sum_over)
+    if v is None:
+        return None
+    metric = fam_name + suffix
+    if select:
+        metric += "{" + ",".join(f'{k}="{val}"' for k, val in select.items()) + "}"
+    if server_wide([s for s in fam.samples if s.suffix == suffix], split):
+        note = "; ".join(x for x in (note, "server-wide series, not split by " + ",".join(split)) if x)
+    sample.set(field_name, v, Provenance(metric, note=note))
+    return v
+
+
+def put_histogram(
+    sample: PoolSample,
+    field_name: str,
+    fam_name: str | None,
+    fam: Family | None,
+    split: dict[str, str],
+    sum_over: tuple[str, ...] = (),
+) -> None:
+    if fam_name is None or fam is None:
+        return
+    h = histogram(fam, split, sum_over)
+    if h is None:
+        return
+    note = "server-wide series, not split by " + ",".join(split) if server_wide(fam.samples, split) else ""
+    sample.set(field_name, h, Provenance(fam_name, note=note))

@@ -1,0 +1,158 @@
+"""The normalized record: one engine instance's KV pool and queue at one scrape.
+
+Both engines account for the GPU KV pool (L1) differently: SGLang counts tokens and reports
+used / evictable / available apart (recent versions), vLLM counts blocks and folds evictable
+prefix-cache blocks into "free". A ``PoolSample`` keeps each figure in one unit (tokens,
+requests, seconds), says where every figure came from (``provenance``), and keeps "absent"
+(``None``) apart from zero: a missing metric must never read as an idle pool.
+Nothing downstream of this module knows which engine produced a sample except through the
+``engine`` string it carries for display and for the adapters' remedy knobs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+Granularity = Literal["token", "block"]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a field came from: the metric (or metrics) and whether it was read or derived."""
+
+    metric: str
+    derived: bool = False
+    note: str = ""
+
+    def describe(self) -> str:
+        how = "derived from " if self.derived else ""
+        return f"{how}{self.metric}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative histogram as exposed: upper bounds (ending in +Inf), counts, sum, count."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+    sum: float
+    count: float
+
+    def __post_init__(self) -> None:
+        if len(self.bounds) != len(self.counts):
+            raise ValueError("histogram bounds and counts differ in length")
+        if not self.bounds or not math.isinf(self.bounds[-1]):
+            raise ValueError("histogram has no +Inf bucket")
+
+
+#: Scalar fields of a PoolSample that hold numbers (everything but identity and histograms).
+NUMERIC_FIELDS = (
+    "capacity_tokens",
+    "block_size",
+    "num_blocks",
+    "usage_ratio",
+    "used_tokens",
+    "evictable_tokens",
+    "available_tokens",
+    "running",
+    "waiting",
+    "evictions_total",
+    "last_eviction_event",
+    "prefix_hit_tokens_total",
+    "prefix_query_tokens_total",
+    "prefix_hit_ratio_gauge",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "requests_total",
+    "l2_used_tokens",
+    "l2_capacity_tokens",
+    "l2_hit_tokens_total",
+    "external_hit_tokens_total",
+    "external_query_tokens_total",
+    "decode_reserve_ratio",
+)
+
+#: Fields that are cumulative counters: windows take reset-safe increases of these.
+COUNTER_FIELDS = (
+    "evictions_total",
+    "prefix_hit_tokens_total",
+    "prefix_query_tokens_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "requests_total",
+    "l2_hit_tokens_total",
+    "external_hit_tokens_total",
+    "external_query_tokens_total",
+)
+
+
+@dataclass
+class PoolSample:
+    """One engine instance (a DP rank of one server) at one scrape, in engine-neutral terms."""
+
+    instance: str
+    engine: str
+    ts: float
+    model: str | None = None
+    # The pool. capacity in tokens; block_size/num_blocks where blocks are the source.
+    capacity_tokens: float | None = None
+    block_size: float | None = None
+    num_blocks: float | None = None
+    # Active (non-evictable) share of the pool, as the engine reports it.
+    usage_ratio: float | None = None
+    usage_granularity: Granularity | None = None
+    # The three states, only where the engine reports them apart.
+    used_tokens: float | None = None
+    evictable_tokens: float | None = None
+    available_tokens: float | None = None
+    # Scheduler.
+    running: float | None = None
+    waiting: float | None = None
+    # Running requests thrown out of L1 and recomputed (retract / preempt), cumulative.
+    evictions_total: float | None = None
+    # Size of the last eviction event (a gauge some versions export); never rated.
+    last_eviction_event: float | None = None
+    # Prefix cache (L1) from counters; the gauge only where no counter exists.
+    prefix_hit_tokens_total: float | None = None
+    prefix_query_tokens_total: float | None = None
+    prefix_hit_ratio_gauge: float | None = None
+    # Traffic, for the average sequence length behind the concurrency ceiling.
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    requests_total: float | None = None
+    # L2 (host memory tier) and external caches.
+    l2_used_tokens: float | None = None
+    l2_capacity_tokens: float | None = None
+    l2_hit_tokens_total: float | None = None
+    external_hit_tokens_total: float | None = None
+    external_query_tokens_total: float | None = None
+    # Admission's reservation ratio for running requests' future output, where exported.
+    decode_reserve_ratio: float | None = None
+    # Latency histograms (cumulative).
+    ttft: Histogram | None = None
+    queue_time: Histogram | None = None
+    labels: dict[str, str] = field(default_factory=dict)  # the labels that split this instance
+    provenance: dict[str, Provenance] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, name: str, value: float | Histogram | None, source: Provenance) -> None:
+        """Set a field with its provenance; ``None`` leaves it absent and unrecorded."""
+        if value is None:
+            return
+        setattr(self, name, value)
+        self.provenance[name] = source
+
+    def present(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name in self.provenance]
+
+
+@dataclass
+class Scrape:
+    """One exposition as a source delivered it: the unit of recordings and replays."""
+
+    ts: float
+    target: str
+    content_type: str | None
+    body: str

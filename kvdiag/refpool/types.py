@@ -1,0 +1,134 @@
+"""Records shared by both engines' reference schedulers, the KV store and the engine loop.
+
+The engine loop (``sim.py``) drives either engine's reference scheduler through the same
+small protocol, so one workload can run on both and the emitted metrics can be compared with
+what the pool really did. Everything here is engine-neutral; the engine sides live in
+``refpool/sglang/`` and ``refpool/vllm/`` and use their engine's own vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+_MASK = (1 << 61) - 1
+
+
+def token_key(prev_key: int, token: int) -> int:
+    """Key of a token's KV given the key of the token before it.
+
+    A token's KV depends on every token before it (attention), so the key chains the whole
+    prefix: two slots hold equal KV exactly when their keys are equal. The store writes bytes
+    derived from the key, which makes prefix hits, demote/load-back and slot reuse checkable
+    byte for byte.
+    """
+    return ((prev_key * 1_000_003) ^ (token + 0x9E3779B97F4A7C15)) & _MASK
+
+
+def prefix_keys(tokens: Sequence[int], start_key: int = 0) -> list[int]:
+    """Keys of every position of ``tokens`` (position i covers tokens[0..i])."""
+    out = []
+    k = start_key
+    for t in tokens:
+        k = token_key(k, t)
+        out.append(k)
+    return out
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request as the simulated engine sees it, with its ground-truth timeline."""
+
+    rid: str
+    arrival: float
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    output_len: int  # tokens it generates before EOS (ground truth, <= max_new_tokens)
+    ignore_eos: bool = False
+    output: list[int] = field(default_factory=list)
+    # Ground truth, filled by the loop and the schedulers.
+    first_scheduled: float | None = None  # first forward: end of the queue time
+    first_token: float | None = None
+    finished: float | None = None
+    evictions: int = 0  # times retracted (SGLang) or preempted (vLLM)
+    recomputed_tokens: int = 0  # KV thrown away by those evictions
+    device_hit_tokens: int = 0  # L1 prefix hit at first admission
+    host_hit_tokens: int = 0  # L2 hit loaded back at first admission
+
+    def next_token(self) -> int:
+        """Deterministic id of the next output token (so replays are identical)."""
+        return (hash((self.rid, len(self.output))) & 0xFFFFFF) + 1_000_000
+
+    @property
+    def all_tokens(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.output)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.output_len
+
+
+@dataclass
+class ScheduledChunk:
+    """Work for one request in one engine step."""
+
+    req: SimRequest
+    num_new_tokens: int  # tokens whose KV is computed this step (prefill chunk, or 1 for decode)
+    num_context_tokens: int  # tokens already in L1 for this request before the step
+    is_prefill: bool
+
+
+@dataclass
+class StepPlan:
+    """What a scheduler decided for one engine iteration."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    evicted: list[SimRequest] = field(default_factory=list)  # retracted / preempted this step
+    loaded_tokens: int = 0  # L2 -> L1 tokens copied for this step
+    stored_tokens: int = 0  # L1 -> L2 tokens copied for this step
+    blocked_on_kv: bool = False  # a waiting request was refused for lack of KV (ground truth)
+    blocked_other: bool = False  # a waiting request was refused for another cap (seqs, budget)
+
+    @property
+    def idle(self) -> bool:
+        return not self.chunks
+
+
+class KVStore(Protocol):
+    """Where KV bytes live. ``tier`` is "device" (L1) or "host" (L2)."""
+
+    def write(self, tier: str, slots: Sequence[int], keys: Sequence[int]) -> None: ...
+
+    def copy(self, src_tier: str, src_slots: Sequence[int], dst_tier: str, dst_slots: Sequence[int]) -> None: ...
+
+    def verify(self, tier: str, slots: Sequence[int], keys: Sequence[int]) -> bool: ...
+
+
+class NullStore:
+    """Accounting-only mode: no bytes move, every verify passes."""
+
+    def write(self, tier: str, slots: Sequence[int], keys: Sequence[int]) -> None:
+        return None
+
+    def copy(self, src_tier: str, src_slots: Sequence[int], dst_tier: str, dst_slots: Sequence[int]) -> None:
+        return None
+
+    def verify(self, tier: str, slots: Sequence[int], keys: Sequence[int]) -> bool:
+        return True
+
+
+class EngineScheduler(Protocol):
+    """The protocol the engine loop drives; both engine sides implement it."""
+
+    def add_request(self, req: SimRequest) -> None: ...
+
+    def schedule(self, now: float) -> StepPlan: ...
+
+    def update_from_output(self, plan: StepPlan, now: float) -> list[SimRequest]:
+        """Append one output token to every request whose prefill completed or that decoded
+        this step, release finished requests, and return them."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def check_invariants(self) -> None: ...

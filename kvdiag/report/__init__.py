@@ -1,0 +1,1 @@
+"""Renderings of samples and verdicts for people: terminal views and the HTML report."""

@@ -1,0 +1,36 @@
+"""Local inputs: one saved exposition file, or a recording, told apart by their content."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+from kvdiag.model import Scrape
+from kvdiag.sources.recording import read_recording
+
+
+def is_recording(path: str | Path) -> bool:
+    """Recordings are gzip'd (or plain) JSON Lines; expositions are text starting otherwise."""
+    with open(path, "rb") as fh:
+        head = fh.read(2)
+    return head == b"\x1f\x8b" or head[:1] == b"{"
+
+
+def read_exposition_file(path: str | Path) -> Scrape:
+    """A saved ``/metrics`` body; its modification time stands for the scrape time."""
+    p = Path(path)
+    data = p.read_bytes()
+    try:
+        body = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return Scrape(os.path.getmtime(p), str(p), None, body)
+
+
+def read_path(path: str | Path) -> Iterator[Scrape]:
+    """Scrapes from a recording, or the single scrape of an exposition file."""
+    if is_recording(path):
+        yield from read_recording(path)
+    else:
+        yield read_exposition_file(path)

@@ -1,0 +1,223 @@
+"""Per-instance time series of PoolSamples: resets, increases, rates, trends and quantiles.
+
+The checks never look at raw counters: they ask a Window for the increase of a counter over
+a span (reset-safe: a restarted engine starts again from zero, and the new value counts as
+the increase since the restart, exactly as Prometheus' ``increase()`` without extrapolation),
+for a robust trend of a gauge, or for a histogram quantile computed as
+``histogram_quantile(q, rate(h_bucket[w]))`` computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import pandas as pd
+
+from kvdiag.model import NUMERIC_FIELDS, Histogram, PoolSample
+
+#: Theil-Sen slopes use at most this many evenly spaced points (pairs grow quadratically).
+TREND_POINTS = 48
+
+
+@dataclass(frozen=True)
+class QuantileEstimate:
+    """A histogram quantile and the bucket bounds it was interpolated between."""
+
+    value: float
+    lower: float  # the bucket's lower bound (0 for the first bucket)
+    upper: float  # the bucket's upper bound (+Inf when the rank falls in the last bucket)
+    observations: float  # observations in the window
+
+
+def counter_increase(values: np.ndarray) -> float:
+    """Reset-safe increase of a cumulative series (NaNs already removed).
+
+    A drop means the counter restarted from zero, so the value after the drop is the increase
+    since the restart; a restart never yields a negative or an inflated increase.
+    """
+    if len(values) < 2:
+        return 0.0
+    deltas = np.diff(values)
+    resets = deltas < 0
+    return float(np.where(resets, values[1:], deltas).sum())
+
+
+def count_resets(values: np.ndarray) -> int:
+    return int((np.diff(values) < 0).sum()) if len(values) > 1 else 0
+
+
+def bucket_quantile(q: float, bounds: tuple[float, ...], counts: np.ndarray) -> QuantileEstimate | None:
+    """Prometheus' bucketQuantile over cumulative bucket counts (the last bound is +Inf)."""
+    if len(bounds) < 2:
+        return None
+    counts = np.maximum.accumulate(np.asarray(counts, dtype=float))  # Prometheus' ensureMonotonic
+    total = float(counts[-1])
+    if total <= 0 or math.isnan(total):
+        return None
+    if q < 0:
+        return QuantileEstimate(-math.inf, -math.inf, -math.inf, total)
+    if q > 1:
+        return QuantileEstimate(math.inf, math.inf, math.inf, total)
+    rank = q * total
+    b = int(np.searchsorted(counts[:-1], rank, side="left"))
+    if b == len(bounds) - 1:
+        return QuantileEstimate(bounds[-2], bounds[-2], math.inf, total)
+    if b == 0 and bounds[0] <= 0:
+        return QuantileEstimate(bounds[0], bounds[0], bounds[0], total)
+    start, end, in_bucket = 0.0, bounds[b], float(counts[b])
+    if b > 0:
+        start = bounds[b - 1]
+        in_bucket -= float(counts[b - 1])
+        rank -= float(counts[b - 1])
+    return QuantileEstimate(start + (end - start) * (rank / in_bucket), start, end, total)
+
+
+def theil_sen(ts: np.ndarray, values: np.ndarray) -> float | None:
+    """Median of pairwise slopes (units per second): one outlier or a single spike cannot
+    fake a trend, unlike a two-point difference or least squares."""
+    n = len(values)
+    if n < 3:
+        return None
+    if n > TREND_POINTS:
+        idx = np.linspace(0, n - 1, TREND_POINTS).round().astype(int)
+        ts, values = ts[idx], values[idx]
+    i, j = np.triu_indices(len(values), k=1)
+    dt = ts[j] - ts[i]
+    ok = dt > 0
+    if not ok.any():
+        return None
+    return float(np.median((values[j][ok] - values[i][ok]) / dt[ok]))
+
+
+class Window:
+    """One instance's samples over a span, oldest first."""
+
+    def __init__(self, instance: str, samples: Iterable[PoolSample]) -> None:
+        self.instance = instance
+        self.samples: list[PoolSample] = sorted(samples, key=lambda s: s.ts)
+        if not self.samples:
+            raise ValueError(f"window for {instance} has no samples")
+        self._frame: pd.DataFrame | None = None
+        self._columns: dict[str, np.ndarray] = {}
+
+    @property
+    def last(self) -> PoolSample:
+        return self.samples[-1]
+
+    @property
+    def engine(self) -> str:
+        return self.last.engine
+
+    @property
+    def start(self) -> float:
+        return self.samples[0].ts
+
+    @property
+    def end(self) -> float:
+        return self.samples[-1].ts
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """The numeric fields as a DataFrame indexed by scrape time (absent = NaN)."""
+        if self._frame is None:
+            self._frame = pd.DataFrame(
+                {name: self.column(name) for name in NUMERIC_FIELDS},
+                index=pd.Index(self.column("ts"), name="ts"),
+            )
+        return self._frame
+
+    def column(self, name: str) -> np.ndarray:
+        """One field over the window as floats; absent values are NaN."""
+        col = self._columns.get(name)
+        if col is None:
+            col = np.array([_num(getattr(s, name)) for s in self.samples], dtype=float)
+            self._columns[name] = col
+        return col
+
+    def points(self, name: str, since: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(timestamps, values) of a field where it is present, optionally from ``since`` on."""
+        ts, vals = self.column("ts"), self.column(name)
+        keep = ~np.isnan(vals)
+        if since is not None:
+            keep &= ts >= since
+        return ts[keep], vals[keep]
+
+    def has(self, name: str) -> bool:
+        return bool((~np.isnan(self.column(name))).any())
+
+    def increase(self, name: str, since: float | None = None) -> float | None:
+        """Reset-safe increase of a counter field; None when it was never reported."""
+        _, vals = self.points(name, since)
+        if len(vals) == 0:
+            return None
+        return counter_increase(vals)
+
+    def resets(self, name: str) -> int:
+        return count_resets(self.points(name)[1])
+
+    def rate(self, name: str, since: float | None = None) -> float | None:
+        ts, vals = self.points(name, since)
+        if len(vals) < 2 or ts[-1] <= ts[0]:
+            return None
+        return counter_increase(vals) / float(ts[-1] - ts[0])
+
+    def trend(self, name: str, since: float | None = None) -> float | None:
+        """Robust slope of a gauge in units per second (Theil-Sen)."""
+        ts, vals = self.points(name, since)
+        return theil_sen(ts, vals)
+
+    def histogram_increase(self, name: str, since: float | None = None) -> Histogram | None:
+        """Per-bucket reset-safe increase of a cumulative histogram field over the window.
+
+        Only samples with the same bucket layout as the newest one take part (a version
+        upgrade may change the bounds).
+        """
+        hists = [(s.ts, getattr(s, name)) for s in self.samples if getattr(s, name) is not None]
+        if since is not None:
+            hists = [(t, h) for t, h in hists if t >= since]
+        if not hists:
+            return None
+        bounds = hists[-1][1].bounds
+        same = [h for _, h in hists if h.bounds == bounds]
+        counts = np.array([h.counts for h in same], dtype=float)
+        inc = np.where(np.diff(counts, axis=0) < 0, counts[1:], np.diff(counts, axis=0)).sum(axis=0) if len(same) > 1 else np.zeros(len(bounds))
+        sums = np.array([h.sum for h in same], dtype=float)
+        counts_total = np.array([h.count for h in same], dtype=float)
+        return Histogram(bounds, tuple(float(x) for x in inc), counter_increase(sums), counter_increase(counts_total))
+
+    def quantile(self, q: float, name: str, since: float | None = None) -> QuantileEstimate | None:
+        """``histogram_quantile(q, rate(name_bucket[window]))`` for this instance."""
+        h = self.histogram_increase(name, since)
+        if h is None:
+            return None
+        return bucket_quantile(q, h.bounds, np.array(h.counts))
+
+
+def _num(v: object) -> float:
+    if v is None:
+        return math.nan
+    return float(v)  # type: ignore[arg-type]
+
+
+def windows(samples: Iterable[PoolSample], seconds: float | None = None) -> dict[str, Window]:
+    """Group samples by instance; keep only the last ``seconds`` of each when given."""
+    by_instance: dict[str, list[PoolSample]] = {}
+    for s in samples:
+        by_instance.setdefault(s.instance, []).append(s)
+    out = {}
+    for inst, group in by_instance.items():
+        if seconds is not None:
+            newest = max(s.ts for s in group)
+            group = [s for s in group if s.ts >= newest - seconds]
+        out[inst] = Window(inst, group)
+    return out
