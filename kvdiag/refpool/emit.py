@@ -1,0 +1,427 @@
+"""Metric emission in each engine's own exposition, per release dialect.
+
+The reference pool, the tests and the demo all need engine expositions that kvdiag has to
+read exactly as it reads a real engine's: the same names, label sets, bucket bounds, HELP/TYPE
+layout and number formatting that each release's prometheus_client code produces
+(shared/facts/engine-metrics.md). ``EngineState`` holds the numbers of one engine instance;
+``render`` writes a whole server (several data-parallel instances, optionally every TP rank)
+in the chosen dialect and wire format.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.utils import floatToGoString
+
+# Histogram bounds, as facts (engine-metrics.md §1.4, §2.6).
+SGLANG_TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0)
+SGLANG_QUEUE_BUCKETS = (
+    0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 70.0, 80.0, 90.0, 100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0, 900.0, 1000.0, 1200.0,
+    1400.0, 1600.0, 1800.0, 2000.0, 2500.0, 3000.0,
+)  # fmt: skip
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_V0_TTFT_BUCKETS = VLLM_TTFT_BUCKETS[:16]  # V0 0.6/0.7 stopped at 10 s
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_V0_LATENCY_BUCKETS = VLLM_LATENCY_BUCKETS[:15]  # V0 0.6/0.7 stopped at 60 s
+
+_ALL_BOUNDS = tuple(
+    sorted(set(SGLANG_TTFT_BUCKETS + SGLANG_QUEUE_BUCKETS + VLLM_TTFT_BUCKETS + VLLM_LATENCY_BUCKETS))
+)
+
+#: Dialects each engine can be rendered in, newest first.
+SGLANG_DIALECTS = ("0.5.23", "0.5.9", "0.5.3", "0.4.10")
+VLLM_DIALECTS = ("0.33.0", "0.10", "0.8", "0.6")
+
+
+@dataclass
+class Latency:
+    """Observations binned on the union of every engine's bounds, so a cumulative count at any
+    engine bound is exact whichever dialect renders it."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(_ALL_BOUNDS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(_ALL_BOUNDS, v)] += 1
+        self.total += v
+        self.n += 1
+
+    def cumulative(self, bounds: tuple[float, ...]) -> list[int]:
+        """Cumulative counts at each of ``bounds`` (all in the union) and at +Inf."""
+        out, acc, i = [], 0, 0
+        for b in bounds:
+            j = _ALL_BOUNDS.index(b) + 1
+            acc += sum(self.counts[i:j])
+            i = j
+            out.append(acc)
+        out.append(self.n)
+        return out
+
+
+@dataclass
+class EngineState:
+    """What one engine instance would export. Counters are cumulative since its start."""
+
+    capacity_tokens: int
+    used_tokens: int = 0  # held by requests (locked prompt + private decode tokens)
+    evictable_tokens: int = 0  # cached, unreferenced
+    running: int = 0
+    waiting: int = 0
+    evictions_total: int = 0  # retractions / preemptions
+    last_eviction_event: int = 0
+    prefix_hit_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_total: int = 0
+    l2_capacity_tokens: int | None = None  # None: no L2 tier configured
+    l2_used_tokens: int = 0
+    l2_hit_tokens_total: int = 0
+    new_token_ratio: float = 0.7
+    block_size: int = 16
+    ttft: Latency = field(default_factory=Latency)
+    queue_time: Latency = field(default_factory=Latency)
+    created: float = 1_795_952_340.0  # process start, for _created series
+
+    @property
+    def available_tokens(self) -> int:
+        return self.capacity_tokens - self.used_tokens - self.evictable_tokens
+
+    @property
+    def usage(self) -> float:
+        return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+
+class _Writer:
+    """Writes families the way prometheus_client's generators do, in 0.0.4 or OpenMetrics."""
+
+    def __init__(self, openmetrics: bool, escape: bool, created: bool) -> None:
+        self.openmetrics = openmetrics
+        self.escape = escape and openmetrics
+        self.created = created
+        self.lines: list[str] = []
+
+    def _name(self, name: str) -> str:
+        return name.replace(":", "_") if self.escape else name
+
+    def _sample(self, name: str, labels: dict[str, str], value: float) -> None:
+        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+        self.lines.append(f"{self._name(name)}{{{inner}}} {floatToGoString(value)}" if inner else f"{self._name(name)} {floatToGoString(value)}")
+
+    def _head(self, name: str, kind: str, help_text: str) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def gauge(self, name: str, help_text: str, series: list[tuple[dict[str, str], float]]) -> None:
+        if not series:
+            return
+        self._head(name, "gauge", help_text)
+        for labels, v in series:
+            self._sample(name, labels, v)
+
+    def counter(self, name: str, help_text: str, series: list[tuple[dict[str, str], float, float]]) -> None:
+        """``name`` without ``_total``; series are (labels, value, created)."""
+        if not series:
+            return
+        self._head(name if self.openmetrics else name + "_total", "counter", help_text)
+        for labels, v, _ in series:
+            self._sample(name + "_total", labels, v)
+        if self.created:
+            if not self.openmetrics:
+                self._head(name + "_created", "gauge", help_text)
+            for labels, _, created in series:
+                self._sample(name + "_created", labels, created)
+
+    def histogram(self, name: str, help_text: str, bounds: tuple[float, ...], series: list[tuple[dict[str, str], Latency, float]]) -> None:
+        if not series:
+            return
+        self._head(name, "histogram", help_text)
+        for labels, lat, _ in series:
+            for b, c in zip(bounds + (math.inf,), lat.cumulative(bounds)):
+                self._sample(name + "_bucket", {**labels, "le": floatToGoString(b)}, c)
+            self._sample(name + "_count", labels, lat.n)
+            self._sample(name + "_sum", labels, lat.total)
+        if self.created:
+            if not self.openmetrics:
+                self._head(name + "_created", "gauge", help_text)
+            for labels, _, created in series:
+                self._sample(name + "_created", labels, created)
+
+    def text(self) -> str:
+        if self.openmetrics:
+            self.lines.append("# EOF")
+        return "\n".join(self.lines) + "\n"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def content_type(openmetrics: bool) -> str:
+    if openmetrics:
+        return "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    return "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render(
+    engine: str,
+    states: list[EngineState],
+    dialect: str | None = None,
+    openmetrics: bool = False,
+    escape: bool = False,
+    tp: int = 1,
+    model: str = "meta-llama/Llama-3.1-8B-Instruct",
+    multiprocess: bool | None = None,
+) -> str:
+    """One server's exposition: ``states`` are its data-parallel instances.
+
+    ``tp`` > 1 repeats SGLang's scheduler series per TP rank (as with
+    ``--enable-metrics-for-all-schedulers``). ``escape`` writes OpenMetrics sample names
+    underscore-escaped, as prometheus_client >= 0.23 does for a Prometheus 2.x scraper.
+    """
+    if engine == "sglang":
+        return _sglang(states, dialect or SGLANG_DIALECTS[0], openmetrics, escape, tp, model)
+    if engine == "vllm":
+        mp = len(states) > 1 if multiprocess is None else multiprocess
+        return _vllm(states, dialect or VLLM_DIALECTS[0], openmetrics, escape, model, mp)
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def _version(dialect: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in dialect.split("."))
+
+
+def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp: int, model: str) -> str:
+    if dialect not in SGLANG_DIALECTS:
+        raise ValueError(f"unknown SGLang dialect {dialect!r}; known: {SGLANG_DIALECTS}")
+    v = _version(dialect)
+    w = _Writer(om, escape, created=False)  # SGLang always serves a multiprocess registry
+    dp = len(states) > 1
+    streaming = v >= (0, 5, 20)
+
+    def sched(i: int, rank: int) -> dict[str, str]:
+        labels = {"engine_type": "unified", "model_name": model}
+        if v >= (0, 4, 10):
+            labels.update(tp_rank=str(rank), pp_rank="0")
+        if v >= (0, 5, 8):
+            labels["moe_ep_rank"] = "0"
+        if dp:
+            labels["dp_rank"] = str(i)
+        return labels
+
+    def per_rank(fn) -> list[tuple[dict[str, str], float]]:
+        return [(sched(i, r), fn(s)) for i, s in enumerate(states) for r in range(tp)]
+
+    P = "sglang:"
+    if v >= (0, 5, 6):
+        w.gauge(P + "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", per_rank(lambda s: s.capacity_tokens))
+    w.gauge(P + "num_running_reqs", "The number of running requests.", per_rank(lambda s: s.running))
+    w.gauge(P + "num_queue_reqs", "The number of requests in the waiting queue.", per_rank(lambda s: s.waiting))
+    w.gauge(P + "token_usage", "The token usage.", per_rank(lambda s: round(s.usage, 2)))
+    if v >= (0, 5, 10):
+        w.gauge(P + "full_token_usage", "The token usage for full attention layers.", per_rank(lambda s: s.usage))
+    w.gauge(P + "num_used_tokens", "The number of used tokens.", per_rank(lambda s: s.used_tokens))
+    if v >= (0, 5, 11):
+        w.gauge(P + "kv_available_tokens", "Number of free token slots in the KV cache pool.", per_rank(lambda s: s.available_tokens))
+        w.gauge(P + "kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.", per_rank(lambda s: s.evictable_tokens))
+        w.gauge(P + "kv_used_tokens", "Number of actively used token slots in the KV cache pool.", per_rank(lambda s: s.used_tokens))
+    w.gauge(P + "new_token_ratio", "The new token ratio.", per_rank(lambda s: s.new_token_ratio))
+    if (0, 4, 10) <= v < (0, 5, 3):
+        w.gauge(P + "total_retracted_reqs", "The total number of retracted requests.", per_rank(lambda s: s.evictions_total))
+    if v >= (0, 5, 2):
+        w.gauge(
+            P + "num_retracted_reqs",
+            "The number of retracted requests.",
+            [({**sched(i, r), "pid": str(16321 + i * tp + r)}, s.last_eviction_event) for i, s in enumerate(states) for r in range(tp)],
+        )
+    if v >= (0, 5, 7):
+        # The multiprocess registry has no series for a counter never incremented.
+        w.counter(
+            P + "num_retracted_requests",
+            "Total number of retracted requests.",
+            [(sched(i, r), s.evictions_total, s.created) for i, s in enumerate(states) for r in range(tp) if s.evictions_total > 0],
+        )
+        w.counter(
+            P + "realtime_tokens",
+            "Total number of tokens processed (updated on each log interval). mode: prefill_compute, prefill_cache, decode.",
+            [
+                ({**sched(i, r), "mode": mode}, val, s.created)
+                for i, s in enumerate(states)
+                for r in range(tp)
+                for mode, val in (
+                    ("prefill_compute", s.prompt_tokens_total - s.prefix_hit_tokens_total),
+                    ("prefill_cache", s.prefix_hit_tokens_total),
+                    ("decode", s.generation_tokens_total),
+                )
+            ],
+        )
+    if v >= (0, 5, 20):
+        w.counter(
+            P + "prefill_effective_tokens",
+            "Effective prefill tokens with retracted-request re-counts excluded, updated on each log interval.",
+            [
+                ({**sched(i, r), "mode": mode}, val, s.created)
+                for i, s in enumerate(states)
+                for r in range(tp)
+                for mode, val in (
+                    ("input", s.prompt_tokens_total - s.prefix_hit_tokens_total - s.l2_hit_tokens_total),
+                    ("device_hit", s.prefix_hit_tokens_total),
+                    ("host_hit", s.l2_hit_tokens_total),
+                    ("storage_hit", 0),
+                )
+            ],
+        )
+    if v >= (0, 5, 10):
+        for name, help_text, fn in (
+            ("hicache_host_used_tokens", "Host KV cache used tokens.", lambda s: s.l2_used_tokens),
+            ("hicache_host_total_tokens", "Host KV cache total tokens.", lambda s: s.l2_capacity_tokens),
+        ):
+            w.gauge(P + name, help_text, [(sched(i, r), fn(s)) for i, s in enumerate(states) for r in range(tp) if s.l2_capacity_tokens is not None])
+    if v >= (0, 5, 3):
+        w.histogram(
+            P + "queue_time_seconds",
+            "Histogram of queueing time in seconds.",
+            SGLANG_QUEUE_BUCKETS,
+            [(sched(i, r), s.queue_time, s.created) for i, s in enumerate(states) for r in range(tp)],
+        )
+    _sglang_tokenizer(w, states, v, model, streaming)
+    return w.text()
+
+
+def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...], model: str, streaming: bool) -> None:
+    """Tokenizer-process series: one per server (no dp_rank), summed over its DP engines."""
+    P = "sglang:"
+    base = {"model_name": model}
+    if v >= (0, 4, 10):
+        base["engine_type"] = "unified"
+    total = _sum_states(states)
+    # Streaming splits requests in two partitions; put them all under "true" and an empty "false".
+    parts = [({**base, "is_streaming": "true"}, 1.0), ({**base, "is_streaming": "false"}, 0.0)] if streaming else [(base, 1.0)]
+
+    def series(fn) -> list[tuple[dict[str, str], float, float]]:
+        return [(labels, fn(total) * share, total.created) for labels, share in parts]
+
+    w.histogram(
+        P + "time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        SGLANG_TTFT_BUCKETS,
+        [(labels, total.ttft if share else Latency(), total.created) for labels, share in parts],
+    )
+    w.counter(P + "prompt_tokens", "Number of prefill tokens processed.", series(lambda s: s.prompt_tokens_total))
+    w.counter(P + "generation_tokens", "Number of generation tokens processed.", series(lambda s: s.generation_tokens_total))
+    if v >= (0, 5, 10):
+        cached = [({**base, "cache_source": "device"}, total.prefix_hit_tokens_total, total.created)]
+        if total.l2_capacity_tokens is not None:
+            cached.append(({**base, "cache_source": "host"}, total.l2_hit_tokens_total, total.created))
+    else:
+        cached = [(base, total.prefix_hit_tokens_total, total.created)]
+    w.counter(P + "cached_tokens", "Number of cached prompt tokens by source (device/host/storage).", cached)
+    w.counter(P + "num_requests", "Number of requests processed.", series(lambda s: s.requests_total))
+
+
+def _sum_states(states: list[EngineState]) -> EngineState:
+    """Server-wide totals of the counters and latencies (what the tokenizer process sees)."""
+    out = EngineState(capacity_tokens=sum(s.capacity_tokens for s in states), created=states[0].created)
+    for s in states:
+        out.prefix_hit_tokens_total += s.prefix_hit_tokens_total
+        out.prompt_tokens_total += s.prompt_tokens_total
+        out.generation_tokens_total += s.generation_tokens_total
+        out.requests_total += s.requests_total
+        out.l2_hit_tokens_total += s.l2_hit_tokens_total
+        if s.l2_capacity_tokens is not None:
+            out.l2_capacity_tokens = (out.l2_capacity_tokens or 0) + s.l2_capacity_tokens
+        for src, dst in ((s.ttft, out.ttft), (s.queue_time, out.queue_time)):
+            dst.counts = [a + b for a, b in zip(dst.counts, src.counts)]
+            dst.total += src.total
+            dst.n += src.n
+    return out
+
+
+def _vllm(states: list[EngineState], dialect: str, om: bool, escape: bool, model: str, multiprocess: bool) -> str:
+    if dialect not in VLLM_DIALECTS:
+        raise ValueError(f"unknown vLLM dialect {dialect!r}; known: {VLLM_DIALECTS}")
+    v = _version(dialect)
+    v0 = v < (0, 8)
+    if v0 and len(states) > 1:
+        raise ValueError("vLLM V0 metrics carry no engine label: one instance per server")
+    w = _Writer(om, escape, created=not multiprocess)
+    P = "vllm:"
+
+    def labels(i: int) -> dict[str, str]:
+        return {"model_name": model} if v0 else {"engine": str(i), "model_name": model}
+
+    def gauge(fn, extra: dict[str, str] | None = None) -> list[tuple[dict[str, str], float]]:
+        return [({**labels(i), **(extra or {})}, fn(s)) for i, s in enumerate(states)]
+
+    def counter(fn) -> list[tuple[dict[str, str], float, float]]:
+        return [(labels(i), fn(s), s.created) for i, s in enumerate(states)]
+
+    # The pool as vLLM sees it: blocks; evictable cached blocks are free.
+    def usage(s: EngineState) -> float:
+        blocks = s.capacity_tokens // s.block_size
+        used = math.ceil(s.used_tokens / s.block_size)
+        return used / blocks if blocks else 0.0
+
+    pid = {"pid": "4242"} if multiprocess and (0, 9, 2) <= v < (0, 12) else None
+    w.gauge(P + "num_requests_running", "Number of requests in model execution batches.", gauge(lambda s: s.running))
+    w.gauge(P + "num_requests_waiting", "Number of requests waiting to be processed.", gauge(lambda s: s.waiting))
+    if v >= (0, 9, 2):
+        w.gauge(P + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", gauge(usage, pid))
+    if v < (0, 11):
+        w.gauge(P + "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", gauge(usage, pid))
+    if v0:
+        w.gauge(P + "num_requests_swapped", "Number of requests swapped to CPU.", gauge(lambda s: 0))
+        w.gauge(
+            P + "gpu_prefix_cache_hit_rate",
+            "GPU prefix cache block hit rate.",
+            gauge(lambda s: s.prefix_hit_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0),
+        )
+    else:
+        if v >= (0, 9, 2):
+            w.counter(P + "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", counter(lambda s: s.prompt_tokens_total))
+            w.counter(P + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", counter(lambda s: s.prefix_hit_tokens_total))
+        if v < (0, 12):
+            # 0.8.x counted these in blocks.
+            div = (lambda s: s.block_size) if v < (0, 9) else (lambda s: 1)
+            w.counter(P + "gpu_prefix_cache_queries", "GPU prefix cache queries.", counter(lambda s: s.prompt_tokens_total // div(s)))
+            w.counter(P + "gpu_prefix_cache_hits", "GPU prefix cache hits.", counter(lambda s: s.prefix_hit_tokens_total // div(s)))
+    if v >= (0, 11, 1):
+        w.counter(P + "external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", counter(lambda s: 0))
+        w.counter(P + "external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", counter(lambda s: 0))
+    w.counter(P + "num_preemptions", "Cumulative number of preemption from the engine.", counter(lambda s: s.evictions_total))
+    w.counter(P + "prompt_tokens", "Number of prefill tokens processed.", counter(lambda s: s.prompt_tokens_total))
+    w.counter(P + "generation_tokens", "Number of generation tokens processed.", counter(lambda s: s.generation_tokens_total))
+    if v >= (0, 33):
+        w.counter(
+            P + "prompt_tokens_cached_by_source",
+            "Number of cached prompt tokens, by cache tier.",
+            [({**labels(i), "source": src}, val, s.created) for i, s in enumerate(states) for src, val in (("device", s.prefix_hit_tokens_total), ("host", s.l2_hit_tokens_total))],
+        )
+    w.counter(
+        P + "request_success",
+        "Count of successfully processed requests.",
+        [({**labels(i), "finished_reason": r}, s.requests_total if r == "stop" else 0, s.created) for i, s in enumerate(states) for r in ("stop", "length")],
+    )
+    ttft_bounds = VLLM_V0_TTFT_BUCKETS if v0 else VLLM_TTFT_BUCKETS
+    lat_bounds = VLLM_V0_LATENCY_BUCKETS if v0 else VLLM_LATENCY_BUCKETS
+    w.histogram(P + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft_bounds, [(labels(i), s.ttft, s.created) for i, s in enumerate(states)])
+    queue_name = P + ("time_in_queue_requests" if v0 else "request_queue_time_seconds")
+    w.histogram(queue_name, "Histogram of time spent in WAITING phase for request.", lat_bounds, [(labels(i), s.queue_time, s.created) for i, s in enumerate(states)])
+    total_blocks = sum(s.capacity_tokens // s.block_size + 1 for s in states)  # + the null block each
+    infos = []
+    for i, s in enumerate(states):
+        info = {"block_size": str(s.block_size), "num_gpu_blocks": str(total_blocks), "cache_dtype": "auto", "enable_prefix_caching": "True"}
+        if not v0:
+            info["engine"] = str(i)
+        if v >= (0, 25):
+            info["kv_cache_size_tokens"] = str(s.capacity_tokens)
+        infos.append((info, 1.0))
+    w.gauge(P + "cache_config_info", "Information of the LLMEngine CacheConfig", infos)
+    return w.text()
