@@ -13,7 +13,7 @@ import sys
 from kvdiag import __version__
 
 #: Subcommands, in the order ``kvdiag --help`` lists them.
-COMMANDS = ("inspect", "record")
+COMMANDS = ("demo", "inspect", "record")
 
 
 def build_parser() -> argparse.ArgumentParser:

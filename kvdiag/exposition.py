@@ -141,8 +141,6 @@ class Reader:
             text = body
             if len(text) > self.max_bytes:
                 raise ExpositionError(f"body of {len(text)} characters exceeds the {self.max_bytes}-byte cap")
-        if "\x00" in text:
-            raise ExpositionError("body contains NUL bytes; not a text exposition")
         openmetrics = _is_openmetrics(text, content_type)
         if openmetrics:
             _check_eof(text)

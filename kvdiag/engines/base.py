@@ -164,6 +164,10 @@ def put(
     metric = fam_name + suffix
     if select:
         metric += "{" + ",".join(f'{k}="{val}"' for k, val in select.items()) + "}"
+    if math.isnan(v):
+        # The engine says "no number" (SGLang exports NaN for some gauges): absent, not 0.
+        sample.notes.append(f"{metric} is NaN; treated as absent")
+        return None
     if server_wide([s for s in fam.samples if s.suffix == suffix], split):
         note = "; ".join(x for x in (note, "server-wide series, not split by " + ",".join(split)) if x)
     sample.set(field_name, v, Provenance(metric, note=note))

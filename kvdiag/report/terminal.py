@@ -7,7 +7,7 @@ from rich.text import Text
 
 from kvdiag.model import PoolSample
 
-BAR_WIDTH = 30
+BAR_WIDTH = 24
 
 
 def pool_bar(sample: PoolSample, width: int = BAR_WIDTH) -> Text:
@@ -25,7 +25,7 @@ def pool_bar(sample: PoolSample, width: int = BAR_WIDTH) -> Text:
     elif sample.usage_ratio is not None:
         parts = [(sample.usage_ratio, "red", "used"), (max(0.0, 1 - sample.usage_ratio), "bright_black", "rest")]
         cap = 1.0
-        legend = "used vs rest (evictable+free not reported apart)"
+        legend = "used vs rest (evictable, free not split)"
     else:
         return Text("no usage reported", style="dim")
     total = cap or sum(p[0] for p in parts) or 1.0
@@ -36,7 +36,7 @@ def pool_bar(sample: PoolSample, width: int = BAR_WIDTH) -> Text:
         n = max(0, min(n, width - cells))
         bar.append("█" * n, style=style)
         cells += n
-    bar.append(f" {legend}", style="dim")
+    bar.append(f"\n{legend}", style="dim")
     return bar
 
 
@@ -45,7 +45,7 @@ def fmt(v: float | None, spec: str = ",.0f") -> str:
 
 
 def inspect_table(samples: list[PoolSample]) -> Table:
-    table = Table(title="KV pool per instance", show_lines=True)
+    table = Table(title="KV pool per instance", show_lines=True, expand=False)
     for col in ("instance", "pool", "capacity", "usage", "running / waiting", "evictions", "prefix hit", "L2"):
         table.add_column(col)
     for s in samples:

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Debian packages the tests use as real parts: Prometheus + promtool and Alertmanager (rules,
+# dashboard queries, alert delivery) and Chromium (pages, HTML report). Installs only what is
+# missing; needs root and apt-get (as on the project's machines and in CI).
+set -euo pipefail
+need=()
+command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+command -v prometheus-alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
+  echo "system-deps: missing ${need[*]}; install them with your package manager (needs root + apt-get here)" >&2
+  exit 1
+fi
+echo "system-deps: installing ${need[*]}" >&2
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -1,0 +1,169 @@
+"""Engine adapters: every dialect to the same normalized numbers, with provenance."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiag.engines import UnknownEngine, normalize_scrape
+from kvdiag.model import PoolSample, Scrape
+from kvdiag.refpool.emit import SGLANG_DIALECTS, VLLM_DIALECTS, EngineState, render
+
+T = "http://10.0.0.1:8000"
+
+
+def _samples(body: str, content_type: str | None = None) -> list[PoolSample]:
+    return normalize_scrape(Scrape(100.0, T, content_type, body))
+
+
+def test_sglang_fixture_numbers(sglang_fixture: str) -> None:
+    [s] = _samples(sglang_fixture)
+    assert (s.engine, s.instance, s.model) == ("sglang", T, "meta-llama/Llama-3.1-8B-Instruct")
+    assert s.capacity_tokens == 196608 and s.usage_ratio == 0.97 and s.usage_granularity == "token"
+    assert (s.used_tokens, s.evictable_tokens, s.available_tokens) == (190709, 3890, 2009)
+    assert s.used_tokens + s.evictable_tokens + s.available_tokens == s.capacity_tokens
+    assert (s.running, s.waiting, s.evictions_total, s.last_eviction_event) == (48, 35, 120, 2)
+    assert s.prefix_hit_tokens_total / s.prefix_query_tokens_total == pytest.approx(0.8, abs=1e-3)
+    assert s.ttft.count == 5117 and s.ttft.counts[-1] == 5117  # streaming + non-streaming added
+    assert s.ttft.bounds[0] == 0.1 and s.queue_time.count == 5165
+    assert s.decode_reserve_ratio == 0.7
+    assert s.l2_capacity_tokens is None  # no HiCache in this deployment: absent, not 0
+    assert s.provenance["evictions_total"].metric == "sglang:num_retracted_requests_total"
+    assert s.provenance["usage_ratio"].metric == "sglang:token_usage"
+
+
+def test_vllm_fixture_numbers(vllm_fixture: str) -> None:
+    [s] = _samples(vllm_fixture)
+    assert (s.engine, s.instance) == ("vllm", T + " engine=0")
+    assert s.capacity_tokens == 196592 and s.block_size == 16 and s.num_blocks == 12288
+    assert s.capacity_tokens == (s.num_blocks - 1) * s.block_size  # the null block
+    assert s.usage_ratio == 0.97 and s.usage_granularity == "block"
+    assert s.evictable_tokens is None and s.available_tokens is None  # vLLM never splits them
+    assert s.provenance["used_tokens"].derived
+    assert (s.running, s.waiting, s.evictions_total) == (48, 35, 120)
+    assert s.prefix_hit_tokens_total / s.prefix_query_tokens_total == pytest.approx(0.8, abs=1e-3)
+    assert s.ttft.count == 5117 and s.ttft.bounds[-2] == 2560.0
+    assert s.provenance["evictions_total"].metric == "vllm:num_preemptions_total"
+
+
+def _state(**kw: float) -> EngineState:
+    base = dict(
+        capacity_tokens=100_000, used_tokens=96_000, evictable_tokens=2_500, running=40, waiting=12,
+        evictions_total=30, last_eviction_event=3, prefix_hit_tokens_total=70_000, prompt_tokens_total=100_000,
+        generation_tokens_total=20_000, requests_total=300,
+    )  # fmt: skip
+    base.update(kw)
+    st = EngineState(**base)  # type: ignore[arg-type]
+    for v in (0.05, 0.3, 2.0, 30.0):
+        st.ttft.observe(v)
+        st.queue_time.observe(v)
+    return st
+
+
+@pytest.mark.parametrize("dialect", SGLANG_DIALECTS)
+@pytest.mark.parametrize("wire", ["text", "openmetrics", "openmetrics-escaped"])
+def test_sglang_dialects(dialect: str, wire: str) -> None:
+    st = _state()
+    body = render("sglang", [st], dialect, openmetrics=wire != "text", escape=wire.endswith("escaped"))
+    if wire.endswith("escaped"):
+        assert "\nsglang_num_running_reqs{" in body  # the escaped spelling really is on the wire
+    [s] = _samples(body)
+    assert s.usage_ratio == 0.96 and s.running == 40 and s.waiting == 12
+    assert s.used_tokens == 96_000
+    assert s.prefix_hit_tokens_total / s.prefix_query_tokens_total == pytest.approx(0.7)
+    assert s.ttft.count == 4
+    if dialect == "0.5.23":  # the three states apart since 0.5.11
+        assert (s.evictable_tokens, s.available_tokens) == (2_500, 1_500)
+    else:
+        assert s.evictable_tokens is None and s.available_tokens is None
+    if dialect in ("0.5.23", "0.5.9"):
+        assert s.capacity_tokens == 100_000 and not s.provenance["capacity_tokens"].derived
+        assert s.evictions_total == 30
+    else:  # no capacity gauge before 0.5.6: derived from the rounded usage
+        assert s.provenance["capacity_tokens"].derived
+        assert s.capacity_tokens == pytest.approx(100_000, rel=0.01)
+    if dialect == "0.5.3":  # only the last-event gauge: never rated, so unknown
+        assert s.evictions_total is None and s.last_eviction_event == 3
+        assert any("cannot be rated" in n for n in s.notes)
+    if dialect == "0.4.10":
+        assert s.evictions_total == 30 and "cumulative gauge" in s.provenance["evictions_total"].note
+
+
+@pytest.mark.parametrize("dialect", VLLM_DIALECTS)
+@pytest.mark.parametrize("wire", ["text", "openmetrics", "openmetrics-escaped"])
+def test_vllm_dialects(dialect: str, wire: str) -> None:
+    st = _state(capacity_tokens=16 * 6_000, used_tokens=16 * 5_700)
+    body = render("vllm", [st], dialect, openmetrics=wire != "text", escape=wire.endswith("escaped"))
+    [s] = _samples(body)
+    assert s.usage_ratio == pytest.approx(0.95) and s.usage_granularity == "block"
+    assert (s.running, s.waiting, s.evictions_total) == (40, 12, 30)
+    assert s.capacity_tokens == 96_000
+    assert s.ttft.count == 4
+    if dialect == "0.6":  # V0: one instance, no engine label, a hit-rate gauge only
+        assert s.instance == T and s.prefix_hit_tokens_total is None
+        assert s.prefix_hit_ratio_gauge == pytest.approx(0.7)
+        assert s.provenance["usage_ratio"].metric == "vllm:gpu_cache_usage_perc"
+        assert s.ttft.bounds[-2] == 10.0
+    else:
+        assert s.instance == T + " engine=0"
+        assert s.prefix_hit_tokens_total / s.prefix_query_tokens_total == pytest.approx(0.7)
+    if dialect in ("0.33.0", "0.10"):
+        assert s.provenance["usage_ratio"].metric == "vllm:kv_cache_usage_perc"
+    if dialect == "0.8":
+        assert s.provenance["usage_ratio"].metric == "vllm:gpu_cache_usage_perc"
+        assert s.provenance["prefix_query_tokens_total"].metric == "vllm:gpu_prefix_cache_queries_total"
+
+
+def test_vllm_dp_engines_are_instances_and_capacity_is_split() -> None:
+    a, b = _state(capacity_tokens=16_000, used_tokens=16_000), _state(capacity_tokens=16_000, used_tokens=1_600)
+    for dialect in ("0.33.0", "0.10"):  # per-engine kv_cache_size_tokens, then num_gpu_blocks summed
+        samples = _samples(render("vllm", [a, b], dialect))
+        assert [s.instance for s in samples] == [T + " engine=0", T + " engine=1"]
+        assert [s.usage_ratio for s in samples] == [1.0, 0.1]
+        assert all(s.capacity_tokens == 16_000 for s in samples)
+
+
+def test_vllm_multiprocess_pid_labels_collapse() -> None:
+    body = render("vllm", [_state()], "0.10", multiprocess=True)
+    assert 'pid="' in body and "_created" not in body
+    [s] = _samples(body)
+    assert s.usage_ratio is not None and s.running == 40
+
+
+def test_sglang_tp_ranks_are_not_double_counted_and_dp_ranks_split() -> None:
+    [s] = _samples(render("sglang", [_state()], tp=4))
+    assert (s.running, s.waiting, s.used_tokens, s.evictions_total) == (40, 12, 96_000, 30)
+    a, b = _state(running=10), _state(running=20)
+    samples = _samples(render("sglang", [a, b], tp=2))
+    assert [(s.instance, s.running) for s in samples] == [(T + " dp_rank=0", 10), (T + " dp_rank=1", 20)]
+    # Tokenizer series (TTFT) are per server: flagged as such on every DP instance.
+    assert "server-wide" in samples[0].provenance["ttft"].note
+
+
+def test_sglang_counter_not_yet_created_is_zero_not_absent() -> None:
+    [s] = _samples(render("sglang", [_state(evictions_total=0)]))
+    assert "num_retracted_requests_total" not in render("sglang", [_state(evictions_total=0)])
+    assert s.evictions_total == 0 and s.provenance["evictions_total"].derived
+
+
+def test_absent_is_not_zero_and_zero_is_not_absent() -> None:
+    body = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+    [s] = _samples(body)
+    assert s.running == 0.0 and s.waiting is None and s.usage_ratio is None and s.evictions_total is None
+
+
+def test_nan_gauge_is_absent_with_a_note() -> None:
+    body = 'sglang:num_running_reqs{tp_rank="0"} 3\nsglang:token_usage{tp_rank="0"} NaN\n'
+    [s] = _samples(body)
+    assert s.usage_ratio is None and any("NaN" in n for n in s.notes)
+
+
+def test_unknown_engines_say_why() -> None:
+    disabled = "# TYPE http_requests_total counter\nhttp_requests_total{handler=\"/v1\"} 3\npython_info{version=\"3.12\"} 1\n"
+    with pytest.raises(UnknownEngine, match="disable-log-stats") as err:
+        _samples(disabled)
+    assert "http" in str(err.value) and "python" in str(err.value)
+    with pytest.raises(UnknownEngine, match="no samples"):
+        _samples("")
+    both = "sglang:num_running_reqs 1\nvllm:num_requests_running 1\n"
+    with pytest.raises(UnknownEngine, match="both"):
+        _samples(both)
