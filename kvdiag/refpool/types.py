@@ -8,6 +8,7 @@ what the pool really did. Everything here is engine-neutral; the engine sides li
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -56,8 +57,9 @@ class SimRequest:
     host_hit_tokens: int = 0  # L2 hit loaded back at first admission
 
     def next_token(self) -> int:
-        """Deterministic id of the next output token (so replays are identical)."""
-        return (hash((self.rid, len(self.output))) & 0xFFFFFF) + 1_000_000
+        """Deterministic id of the next output token, stable across processes (``hash()`` of a
+        string is salted per process), so replays are identical."""
+        return (zlib.crc32(f"{self.rid}:{len(self.output)}".encode()) & 0xFFFFFF) + 1_000_000
 
     @property
     def all_tokens(self) -> tuple[int, ...]:

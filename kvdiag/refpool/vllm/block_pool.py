@@ -1,0 +1,268 @@
+"""vLLM V1 GPU block pool: ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` and ``BlockPool``.
+
+Mirrors ``vllm/v1/core/kv_cache_utils.py`` (block, free queue) and ``vllm/v1/core/block_pool.py``
+(pool) of vLLM 0.33.0 for one full-attention KV cache group (facts §2.4):
+
+* block 0 is the null block, taken from the queue at init and never freed;
+* the free queue is a doubly linked list in eviction order; ``get_new_blocks`` pops the head and
+  lazily evicts the popped block's hash from the prefix cache (a "free" block is still a cache hit
+  until it is reused);
+* ``free_blocks`` puts blocks that reach ref_cnt 0 *with* a hash at the tail (LRU) and blocks
+  *without* a hash at the head (reused first);
+* ``get_usage() = 1 - free / (num_gpu_blocks - 1)``: cached-but-unreferenced blocks count as free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvdiag.refpool.vllm.request import Request
+
+
+@dataclass(eq=False, repr=False)
+class KVCacheBlock:
+    """One GPU block (``kv_cache_utils.KVCacheBlock``).
+
+    ``block_hash`` is set once the block is full and cached (``cache_full_blocks``) and reset when
+    the block is evicted at reuse time. ``prev_free_block`` / ``next_free_block`` link the block
+    into the free queue while its ref_cnt is 0.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    next_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    is_null: bool = False
+
+    def reset_hash(self) -> None:
+        self.block_hash = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks with fake head/tail sentinels (O(1) remove from the middle).
+
+    The head is evicted (reused) first. Initially all blocks are in id order, so fresh allocations
+    hand out ids 1, 2, 3, ... once the null block has been popped.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        prev = self.fake_free_list_head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Pop the first (next to evict) free block."""
+        first = self.fake_free_list_head.next_free_block
+        if first is None or first is self.fake_free_list_tail:
+            raise ValueError("No free blocks available")
+        self.remove(first)
+        return first
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Pop the first n free blocks, in queue order."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot pop {n} blocks from a queue of {self.num_free_blocks}")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue (a prefix hit on a free cached block)."""
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise RuntimeError(f"remove() called on a block not in the free queue: {block}")
+        block.prev_free_block.next_free_block = block.next_free_block
+        block.next_free_block.prev_free_block = block.prev_free_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put a block at the tail (evicted last)."""
+        last = self.fake_free_list_tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Append blocks to the tail in the given order."""
+        for block in blocks:
+            self.append(block)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the head, keeping their order (``blocks[0]`` becomes the new head)."""
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        assert first is not None
+        prev = self.fake_free_list_head
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks from head to tail (used by invariant checks and tests)."""
+        out = []
+        cur = self.fake_free_list_head.next_free_block
+        while cur is not None and cur is not self.fake_free_list_tail:
+            out.append(cur)
+            cur = cur.next_free_block
+        return out
+
+
+class BlockPool:
+    """Allocates, frees and caches GPU blocks (``vllm/v1/core/block_pool.py: BlockPool``).
+
+    ``cached_block_hash_to_block`` maps a block hash to the blocks holding it, keyed by block id:
+    vLLM does not de-duplicate (two requests that compute the same block concurrently both cache
+    it, so block tables stay append-only); ``get_cached_block`` returns the first one.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be >= 2 (block 0 is the null block)")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(idx) for idx in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[int, dict[int, KVCacheBlock]] = {}
+        # Placeholder block (block_id 0) for skipped sliding-window blocks; its ref_cnt is not
+        # maintained and it never returns to the free queue.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        # Cached blocks whose hash was dropped because the block was reused (lazy eviction).
+        self.num_evicted_blocks = 0
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        """The first cached block holding ``block_hash``, or None on a miss."""
+        cached = self.cached_block_hash_to_block.get(block_hash)
+        if not cached:
+            return None
+        return next(iter(cached.values()))
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes and index them.
+
+        The hashes come from ``request.block_hashes`` (already chained over the prefix), as in
+        vLLM where the request's block hasher computes them when tokens are appended.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        assert len(request.block_hashes) >= num_full_blocks, (
+            f"{request.request_id}: {len(request.block_hashes)} hashes < {num_full_blocks} full blocks "
+            f"(block_size {block_size})"
+        )
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            if blk.is_null:
+                continue
+            assert blk.block_hash is None, f"{blk} is already cached"
+            block_hash = request.block_hashes[i]
+            blk.block_hash = block_hash
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` from the head of the free queue, evicting their stale hashes."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        for block in ret:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0"
+            block.ref_cnt += 1
+        return ret
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop a reused block from the prefix cache (lazy eviction); True if it was cached."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        cached = self.cached_block_hash_to_block.get(block_hash)
+        if cached is None or cached.pop(block.block_id, None) is None:
+            return False
+        if not cached:
+            del self.cached_block_hash_to_block[block_hash]
+        block.reset_hash()
+        self.num_evicted_blocks += 1
+        return True
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """ref_cnt++ on prefix-hit blocks, taking free (ref_cnt 0) ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """ref_cnt-- on blocks given in eviction order (first = evicted first).
+
+        Blocks reaching 0 without a hash can never be a prefix hit, so they go to the head
+        (``prepend_n``, order kept) and are reused first; cached ones go to the tail (LRU).
+        """
+        blocks_with_hash: list[KVCacheBlock] = []
+        blocks_without_hash: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if block.block_hash is None:
+                    blocks_without_hash.append(block)
+                else:
+                    blocks_with_hash.append(block)
+        self.free_block_queue.prepend_n(blocks_without_hash)
+        self.free_block_queue.append_n(blocks_with_hash)
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """KV usage as ``vllm:kv_cache_usage_perc`` reports it: the null block is excluded and
+        cached-but-unreferenced blocks count as free."""
+        total_gpu_blocks = self.num_gpu_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / total_gpu_blocks
+
+    def check_invariants(self) -> None:
+        """Free queue = exactly the non-null blocks with ref_cnt 0, correctly linked; the hash map
+        indexes exactly the blocks that carry a hash. Raises AssertionError."""
+        q = self.free_block_queue
+        free = q.get_all_free_blocks()
+        prev = q.fake_free_list_head
+        for blk in free:
+            assert blk.prev_free_block is prev, f"free queue back-link broken at {blk}"
+            prev = blk
+        assert q.fake_free_list_tail.prev_free_block is prev, "free queue tail link broken"
+        assert len(free) == q.num_free_blocks, f"queue holds {len(free)} != {q.num_free_blocks}"
+        assert {b.block_id for b in free} == {
+            b.block_id for b in self.blocks if b.ref_cnt == 0 and not b.is_null
+        }, "free queue != blocks with ref_cnt 0 (null block excluded)"
+        hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
+        indexed = set()
+        for h, entries in self.cached_block_hash_to_block.items():
+            assert entries, f"empty entry for hash {h:#x}"
+            for bid, blk in entries.items():
+                assert blk is self.blocks[bid] and blk.block_hash == h, f"hash map {h:#x} -> {blk}"
+                indexed.add(bid)
+        assert hashed == indexed, f"blocks {sorted(hashed ^ indexed)} hashed but not indexed, or vice versa"
+        assert self.enable_caching or not hashed, "blocks cached with prefix caching off"

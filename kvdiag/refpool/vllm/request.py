@@ -1,0 +1,72 @@
+"""The engine's view of one request, mirroring ``vllm/v1/request.py`` (``Request``, ``RequestStatus``).
+
+The loop hands the scheduler engine-neutral ``SimRequest`` records; vLLM's scheduler and KV cache
+manager reason about a ``Request`` with a status, ``num_computed_tokens``, ``num_preemptions`` and
+``block_hashes`` (one hash per *full* block of prompt + output, extended as tokens are appended).
+This wrapper supplies exactly those fields so the pool code reads like vLLM's.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kvdiag.refpool.types import SimRequest, token_key
+
+
+class RequestStatus(enum.Enum):
+    """The subset of ``vllm.v1.request.RequestStatus`` a single-engine run goes through."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # finished_reason "stop" (EOS)
+    FINISHED_LENGTH_CAPPED = enum.auto()  # finished_reason "length" (max_tokens or max_model_len)
+
+
+class Request:
+    """A ``SimRequest`` plus the scheduler state vLLM keeps on ``Request``.
+
+    ``token_keys[i]`` is the KV key of position i (it chains the whole prefix, see
+    ``types.token_key``); the hash of full block b is the key of its last token, which chains the
+    parent block hash and the block's tokens exactly like vLLM's ``hash_block_tokens``.
+    """
+
+    def __init__(self, sim: SimRequest, block_size: int) -> None:
+        self.sim = sim
+        self.request_id = sim.rid
+        self.block_size = block_size
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.token_keys: list[int] = []
+        self.block_hashes: list[int] = []
+        for t in sim.all_tokens:
+            self._append_key(t)
+
+    def _append_key(self, token: int) -> None:
+        prev = self.token_keys[-1] if self.token_keys else 0
+        self.token_keys.append(token_key(prev, token))
+        if len(self.token_keys) % self.block_size == 0:
+            self.block_hashes.append(self.token_keys[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_keys)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.sim.prompt)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Append a sampled token and extend ``block_hashes`` when a block becomes full."""
+        self.sim.output.append(token_id)
+        self._append_key(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.name}, computed={self.num_computed_tokens}, "
+            f"tokens={self.num_tokens}, preemptions={self.num_preemptions})"
+        )

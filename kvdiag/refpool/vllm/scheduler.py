@@ -1,0 +1,385 @@
+"""vLLM V1 scheduler over the reference block pool (facts §2.2), driven through ``EngineScheduler``.
+
+Mirrors ``vllm/v1/core/sched/scheduler.py: Scheduler.schedule / update_from_output /
+_preempt_request`` with the FCFS policy, chunked prefill on, no speculative decoding, and the
+optional native CPU offloading connector (``offload.py``). The engine loop only sees
+``add_request / schedule / update_from_output / has_work / check_invariants`` and ``stats()``.
+
+The model runner's part of a step (KV writes, H->D loads, D->H stores) runs at the start of
+``update_from_output``: it is "the forward" that happened between the two calls. Every KV write
+goes through the ``KVStore`` at slot ``block_id * block_size + offset`` with the position's
+prefix key, and every reused KV (local prefix hit, CPU load-back) is verified byte for byte when
+it is first used and again over the whole sequence when the request finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
+from kvdiag.refpool.vllm.block_pool import BlockPool
+from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from kvdiag.refpool.vllm.offload import OffloadingConnector, OffloadingConnectorMetadata
+from kvdiag.refpool.vllm.request import Request, RequestStatus
+
+
+class FCFSRequestQueue(deque[Request]):
+    """``sched/request_queue.py: FCFSRequestQueue`` (a deque of ``Request``)."""
+
+    def add_request(self, request: Request) -> None:
+        self.append(request)
+
+    def peek_request(self) -> Request:
+        return self[0]
+
+    def pop_request(self) -> Request:
+        return self.popleft()
+
+    def prepend_request(self, request: Request) -> None:
+        """Preempted requests go back to the front: they keep their FCFS position."""
+        self.appendleft(request)
+
+
+@dataclass
+class VLLMStats:
+    """Everything the metric emitter needs for vLLM's exposition, sampled after a step."""
+
+    num_gpu_blocks: int
+    block_size: int
+    num_free_blocks: int
+    kv_cache_usage: float  # vllm:kv_cache_usage_perc = 1 - free/(num_gpu_blocks - 1)
+    num_requests_running: int
+    num_requests_waiting: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens; requests resumed after preemption excluded
+    prefix_cache_hits_total: int
+    external_prefix_cache_queries_total: int  # connector (CPU offload) lookups, tokens
+    external_prefix_cache_hits_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    request_success_total: dict[str, int]  # by finished_reason: "stop", "length"
+    cpu_offload_used_blocks: int
+    cpu_offload_total_blocks: int  # 0 when offloading is off
+    cpu_offload_evicted_blocks_total: int  # CPU blocks dropped (LRU) to make room for stores
+    evicted_blocks_total: int  # cached GPU blocks whose hash was dropped at reuse
+
+
+@dataclass
+class _SchedulerOutput:
+    """What ``schedule`` decided, kept for the forward in ``update_from_output``."""
+
+    plan: StepPlan
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num tokens)
+    new_reqs: list[Request] = field(default_factory=list)  # admitted from waiting this step
+    connector_meta: OffloadingConnectorMetadata | None = None
+
+
+class VLLMScheduler:
+    """FCFS vLLM V1 scheduler with prefix caching, chunked prefill and optional CPU offloading."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 1024,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.0,
+        scheduler_reserve_full_isl: bool = True,
+        long_prefill_token_threshold: int = 0,
+        kv_offloading_blocks: int = 0,
+        store: KVStore | None = None,
+        debug: bool = False,
+    ) -> None:
+        # vLLM refuses to start when one max_model_len sequence cannot fit the pool (startup
+        # check "max seq len ... is larger than the maximum number of tokens that can be stored
+        # in KV cache"); it is what lets a request running alone always grow, so the engine
+        # cannot livelock. None: the model's 32768, capped to what the pool holds.
+        max_blocks = num_gpu_blocks - 1
+        if max_model_len is None:
+            max_model_len = min(32768, max_blocks * block_size)
+        elif cdiv(max_model_len, block_size) > max_blocks:
+            raise ValueError(
+                f"max_model_len {max_model_len} needs {cdiv(max_model_len, block_size)} blocks; "
+                f"the pool has {max_blocks} (num_gpu_blocks - 1 null block)"
+            )
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.store: KVStore = store if store is not None else NullStore()
+        self.debug = debug
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size, watermark, max_model_len)
+        self.connector = (
+            OffloadingConnector(kv_offloading_blocks, block_size, self.store)
+            if kv_offloading_blocks > 0
+            else None
+        )
+        self.connector_prefix_cache_stats = PrefixCacheStats()
+        self.requests: dict[str, Request] = {}
+        self.waiting = FCFSRequestQueue()
+        self.running: list[Request] = []
+        self._pending: _SchedulerOutput | None = None
+        self.num_preemptions_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.request_success_total = {"stop": 0, "length": 0}
+
+    # ---- EngineScheduler protocol ----
+
+    def add_request(self, req: SimRequest) -> None:
+        if req.rid in self.requests:
+            raise ValueError(f"duplicate request id {req.rid}")
+        if not req.prompt or len(req.prompt) >= self.max_model_len:
+            raise ValueError(f"{req.rid}: prompt length {len(req.prompt)} not in [1, max_model_len)")
+        if req.output_len < 1:
+            raise ValueError(f"{req.rid}: output_len must be >= 1 (vLLM always samples a token)")
+        request = Request(req, self.block_size)
+        self.requests[req.rid] = request
+        self.waiting.add_request(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float) -> StepPlan:
+        """One scheduling pass: running requests first (preempting from the back of the running
+        list when blocks run out), then waiting requests in FCFS order unless this step preempted."""
+        assert self._pending is None, "schedule() called twice without update_from_output()"
+        kv = self.kv_cache_manager
+        out = _SchedulerOutput(plan=StepPlan())
+        plan = out.plan
+        token_budget = self.max_num_batched_tokens
+        preempted: list[Request] = []
+
+        # Phase A: RUNNING requests, in order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens  # 1 for a decode
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = self.long_prefill_token_threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            assert num_new_tokens > 0, f"running request with nothing to compute: {request}"
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                preempted_req = self.running.pop()  # FCFS: the last running request
+                self._preempt_request(preempted_req)
+                preempted.append(preempted_req)
+                if preempted_req is request:
+                    break  # nothing left to preempt but itself
+            if new_blocks is None:
+                break
+            # vLLM does not label chunks; a decode is the one new token of a request that has
+            # sampled before (a resumed request recomputing its last token counts as one too).
+            is_decode = bool(request.sim.output) and request.num_computed_tokens == request.num_tokens - 1
+            self._add_chunk(out, request, num_new_tokens, is_prefill=not is_decode, now=now)
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Phase B: WAITING requests, only if nothing was preempted this step.
+        if preempted:
+            plan.blocked_on_kv = bool(self.waiting)
+        else:
+            while self.waiting and token_budget > 0:
+                if len(self.running) == self.max_num_seqs:
+                    break
+                request = self.waiting.peek_request()
+                new_computed_blocks, num_local = kv.get_computed_blocks(request)
+                num_external, num_load = 0, 0
+                if self.connector is not None:
+                    num_load = self.connector.get_num_new_matched_tokens(request, num_local)
+                    # A full hit still recomputes the last token (_update_waiting_for_remote_kv).
+                    num_external = min(num_load, request.num_tokens - 1 - num_local)
+                    if num_external == 0:
+                        num_load = 0
+                num_computed = num_local + num_external
+                num_new_tokens = request.num_tokens - num_computed
+                if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                    num_new_tokens = self.long_prefill_token_threshold
+                num_new_tokens = min(num_new_tokens, token_budget)
+                new_blocks = kv.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_local,
+                    new_computed_blocks=new_computed_blocks,
+                    num_external_computed_tokens=num_external,
+                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                    has_scheduled_reqs=bool(self.running),
+                )
+                if new_blocks is None:
+                    plan.blocked_on_kv = True  # head-of-line: nothing behind it is tried
+                    break
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, kv.get_blocks(request.request_id), num_local, num_load
+                    )
+                    self.connector_prefix_cache_stats.record(
+                        num_tokens=request.num_tokens - num_local,
+                        num_hits=num_load,
+                        preempted=request.num_preemptions > 0,
+                    )
+                kv.record_prefix_cache_stats(request, num_local)
+                self.waiting.pop_request()
+                self.running.append(request)
+                if request.num_preemptions == 0:
+                    request.sim.device_hit_tokens = num_local
+                    request.sim.host_hit_tokens = num_external
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                out.new_reqs.append(request)
+                self._add_chunk(out, request, num_new_tokens, is_prefill=True, now=now)
+                token_budget -= num_new_tokens
+            if self.waiting and (token_budget == 0 or len(self.running) == self.max_num_seqs):
+                plan.blocked_other = True
+
+        plan.evicted = [r.sim for r in preempted]
+        if self.connector is not None:
+            out.connector_meta = self.connector.build_connector_meta(
+                [(r, n, kv.get_blocks(r.request_id)) for r, n in out.scheduled]
+            )
+            plan.loaded_tokens = out.connector_meta.num_load_blocks * self.block_size
+            plan.stored_tokens = out.connector_meta.num_store_blocks * self.block_size
+        self._pending = out
+        if self.debug:
+            self.check_invariants()
+        return plan
+
+    def update_from_output(self, plan: StepPlan, now: float) -> list[SimRequest]:
+        """Run the step's KV traffic, advance every scheduled request, sample a token for each
+        that reached the end of its sequence, and release finished requests."""
+        out = self._pending
+        assert out is not None and out.plan is plan, "update_from_output() for a plan not just scheduled"
+        self._pending = None
+        meta = out.connector_meta
+        if self.connector is not None and meta is not None:
+            self.connector.start_load_kv(meta)
+        for request, n in out.scheduled:
+            self._write_kv(request, request.num_computed_tokens, n)
+        for request in out.new_reqs:  # prefix hits and loads, read by this forward
+            self._verify_kv(request, request.num_computed_tokens)
+        if self.connector is not None and meta is not None:
+            self.connector.wait_for_save(meta)
+
+        finished: list[SimRequest] = []
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # partial prefill chunk: its sample is discarded
+            request.append_output_token_ids(request.sim.next_token())
+            self.generation_tokens_total += 1
+            if request.sim.first_token is None:
+                request.sim.first_token = now
+                self.prompt_tokens_total += request.num_prompt_tokens
+            if self._check_stop(request):
+                self._verify_kv(request, request.num_computed_tokens)
+                self.running.remove(request)
+                self._free_request(request)
+                request.sim.finished = now
+                finished.append(request.sim)
+        if self.debug:
+            self.check_invariants()
+        return finished
+
+    # ---- internals ----
+
+    def _add_chunk(
+        self, out: _SchedulerOutput, request: Request, n: int, is_prefill: bool, now: float
+    ) -> None:
+        out.scheduled.append((request, n))
+        out.plan.chunks.append(ScheduledChunk(request.sim, n, request.num_computed_tokens, is_prefill))
+        if request.sim.first_scheduled is None:
+            request.sim.first_scheduled = now
+
+    def _preempt_request(self, request: Request) -> None:
+        """Free all of the request's blocks and send it to the *front* of the waiting queue; it
+        recomputes from scratch (minus whatever prefix is still cached) when re-admitted."""
+        assert request.status == RequestStatus.RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.sim.evictions += 1
+        request.sim.recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend_request(request)
+
+    def _check_stop(self, request: Request) -> bool:
+        """``sched/utils.py: check_stop``: EOS (ground-truth output_len) or a length cap."""
+        sim = request.sim
+        if request.num_tokens >= self.max_model_len or len(sim.output) >= sim.max_new_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self.request_success_total["length"] += 1
+        elif sim.done:
+            request.status = RequestStatus.FINISHED_STOPPED
+            self.request_success_total["stop"] += 1
+        return request.is_finished()
+
+    def _free_request(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        blocks = self.kv_cache_manager.get_blocks(request.request_id)
+        return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
+
+    def _write_kv(self, request: Request, start: int, n: int) -> None:
+        keys = request.token_keys[start : start + n]
+        self.store.write("device", self._slots(request, start, start + n), keys)
+
+    def _verify_kv(self, request: Request, end: int) -> None:
+        if end and not self.store.verify("device", self._slots(request, 0, end), request.token_keys[:end]):
+            raise AssertionError(f"{request.request_id}: device KV of tokens [0, {end}) does not match")
+
+    # ---- observability ----
+
+    def stats(self) -> VLLMStats:
+        manager = self.connector.manager if self.connector is not None else None
+        local = self.kv_cache_manager.prefix_cache_stats
+        return VLLMStats(
+            num_gpu_blocks=self.block_pool.num_gpu_blocks,
+            block_size=self.block_size,
+            num_free_blocks=self.block_pool.get_num_free_blocks(),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=local.queries,
+            prefix_cache_hits_total=local.hits,
+            external_prefix_cache_queries_total=self.connector_prefix_cache_stats.queries,
+            external_prefix_cache_hits_total=self.connector_prefix_cache_stats.hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            request_success_total=dict(self.request_success_total),
+            cpu_offload_used_blocks=manager.num_used_blocks if manager is not None else 0,
+            cpu_offload_total_blocks=manager.num_blocks if manager is not None else 0,
+            cpu_offload_evicted_blocks_total=manager.num_evicted_blocks if manager is not None else 0,
+            evicted_blocks_total=self.block_pool.num_evicted_blocks,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool, the block tables, the queues or the CPU pool are
+        inconsistent (each component checks its own structure)."""
+        self.kv_cache_manager.check_invariants(self.requests)
+        assert len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs"
+        run_ids = [r.request_id for r in self.running]
+        wait_ids = [r.request_id for r in self.waiting]
+        assert len(set(run_ids + wait_ids)) == len(run_ids) + len(wait_ids) == len(self.requests), (
+            "running/waiting are not a partition of the live requests"
+        )
+        assert all(r.status == RequestStatus.RUNNING for r in self.running), "non-running request in running"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} in waiting"
+            assert r.num_computed_tokens == 0, f"waiting {r} has computed tokens"
+            assert r.request_id not in self.kv_cache_manager.req_to_blocks, f"waiting {r} holds blocks"
+        if self.connector is not None:
+            self.connector.manager.check_invariants(idle=self._pending is None)
