@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Iterable
 
 from rich.console import Console
+from rich.live import Live
+from rich.table import Table
 
 from kvdiag.engines import UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import PoolSample
 from kvdiag.report.terminal import inspect_table, provenance_table
 from kvdiag.sources.inputs import read_inputs
+from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.recording import RecordingError
 from kvdiag.sources.scrape import ScrapeError
 
@@ -27,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per scrape (s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--provenance", action="store_true", help="also print where every field came from")
+    add_log_arguments(p)
     return p
 
 
@@ -64,37 +69,106 @@ def _int(v: float | None) -> int | None:
     return None if v is None else int(round(v))
 
 
+class Latest:
+    """The newest sample per instance and how many each had (one scrape, or a series)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, PoolSample] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, s: PoolSample) -> None:
+        old = self.samples.get(s.instance)
+        if old is None or s.ts >= old.ts:
+            self.samples[s.instance] = s
+        self.counts[s.instance] = self.counts.get(s.instance, 0) + 1
+
+    def series(self) -> bool:
+        return any(n > 1 for n in self.counts.values())
+
+
 def run(args: argparse.Namespace) -> int:
-    if not args.inputs and not args.replay:
-        print("kvdiag inspect: give an engine URL, an exposition file or --replay REC", file=sys.stderr)
+    if not args.inputs and not args.replay and not args.log:
+        print("kvdiag inspect: give an engine URL, an exposition file, --replay REC or --log FILE", file=sys.stderr)
         return EXIT_ERROR
-    latest: dict[str, PoolSample] = {}
-    counts: dict[str, int] = {}
-    recorded = bool(args.replay)
+    latest = Latest()
     try:
+        streams = open_logs(args)
+        if args.follow:
+            return _follow(args, streams[0], latest)
         for scrape in read_inputs(args.inputs, args.replay, args.timeout):
             for s in normalize_scrape(scrape, args.engine):
-                latest[s.instance] = s if s.instance not in latest or s.ts >= latest[s.instance].ts else latest[s.instance]
-                counts[s.instance] = counts.get(s.instance, 0) + 1
-                recorded = recorded or counts[s.instance] > 1
+                latest.add(s)
+        for stream in streams:
+            for s in stream:
+                latest.add(s)
     except (ExpositionError, UnknownEngine, ScrapeError, RecordingError, OSError, ValueError) as exc:
         print(f"kvdiag inspect: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    samples = list(latest.values())
+    _report_logs(streams)
+    if not latest.samples:
+        print("kvdiag inspect: no SGLang or vLLM stats lines in " + ", ".join(s.report.name for s in streams), file=sys.stderr)
+        return EXIT_ERROR
+    recorded = bool(args.replay) or latest.series()
     if args.json:
         out = []
-        for s in samples:
+        for s in latest.samples.values():
             d = sample_json(s)
             if recorded:
-                d["samples"] = counts[s.instance]
+                d["samples"] = latest.counts[s.instance]
             out.append(d)
-        print(json.dumps({"instances": out}, indent=2))
+        doc: dict = {"instances": out}
+        if streams:
+            doc["logs"] = [s.report.as_dict() for s in streams]
+        print(json.dumps(doc, indent=2))
         return 0
-    console = Console()
+    _print_tables(Console(), latest.samples.values(), args.provenance)
+    return 0
+
+
+def _print_tables(console: Console, samples: Iterable[PoolSample], provenance: bool) -> None:
+    samples = list(samples)
     console.print(inspect_table(samples))
     for s in samples:
         for note in s.notes:
             console.print(f"[yellow]note[/yellow] {s.instance}: {note}")
-        if args.provenance:
+        if provenance:
             console.print(provenance_table(s))
+
+
+def _report_logs(streams: list[LogStream]) -> None:
+    """What each log held, on stderr, when a line did not parse or nothing was found."""
+    for stream in streams:
+        if stream.report.unparsed or not stream.report.samples:
+            print("\n".join(stream.report.describe()), file=sys.stderr)
+
+
+class _LiveTable:
+    """The table, built when rich redraws (twice a second), not once per sample: a burst of
+    lines costs nothing and the screen never lags the last one."""
+
+    def __init__(self, latest: Latest) -> None:
+        self.latest = latest
+
+    def __rich__(self) -> Table:
+        return inspect_table(list(self.latest.samples.values()))
+
+
+def _follow(args: argparse.Namespace, stream: LogStream, latest: Latest) -> int:
+    """tail -f: the table redrawn as lines arrive (JSON Lines with --json) until Ctrl-C or
+    --follow-timeout; the last state is printed at the end."""
+    console = Console()
+    try:
+        if args.json:
+            for s in stream:
+                latest.add(s)
+                print(json.dumps(sample_json(s)), flush=True)
+        else:
+            with Live(_LiveTable(latest), console=console, refresh_per_second=2, transient=True):
+                for s in stream:
+                    latest.add(s)
+    except KeyboardInterrupt:
+        stream.close()
+    _report_logs([stream])
+    if not args.json and latest.samples:
+        _print_tables(console, latest.samples.values(), args.provenance)
     return 0
