@@ -1,0 +1,243 @@
+"""SGLang HiCache: a host-memory (L2) tier behind the radix tree.
+
+Mirrors the classic ``mem_cache/hiradix_cache.py: HiRadixCache`` and the 0.5.23 write policies
+(``unified_radix_cache.py``), as pinned in facts/engine-mechanics.md §1.6:
+
+* ``HostKVCache`` (``mem_cache/pool_host/base.py``): ``size = int(device_capacity x
+  hicache_ratio)``, then ``page_num = size // page_size + 1`` and ``size = page_num x page_size``.
+* Write policies. ``write_through``: every node inserted is copied D->H at once (hit threshold
+  1). ``write_through_selective``: copied when the node's insert hit count reaches 2.
+  ``write_back``: nothing is copied at insert; a leaf is copied when the device evicts it.
+  A device eviction of a backed-up node *demotes* it (device slots freed, node kept host-only);
+  of a node with no host copy, write_back first backs it up (evicting host LRU leaves for room)
+  and otherwise the node is *dropped*.
+* Load back (``load_back``): host-only nodes continuing a device hit are copied H->D only if at
+  least ``load_back_threshold`` (10) tokens, and only all together: device slots for *all* of
+  them are allocated first (evicting the device shortfall) or nothing is loaded.
+
+Copies are synchronous here (SGLang's are asynchronous and hold a lock until acknowledged; within
+one simulated step that transient lock is invisible to the pool counters).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
+from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
+from kvdiag.refpool.types import KVStore
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+LOAD_BACK_THRESHOLD = 10
+
+
+class HostKVCache:
+    """Host slot pool (no padding slot); allocation in whole pages, smallest slots first."""
+
+    def __init__(self, device_capacity: int, hicache_ratio: float = 2.0, page_size: int = 1) -> None:
+        size = int(device_capacity * hicache_ratio)
+        self.page_size = page_size
+        self.size = (size // page_size + 1) * page_size
+        self.free_slots: list[int] = list(range(self.size - 1, -1, -1))  # pop() yields lowest
+        self._owned = bytearray(self.size)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def used_size(self) -> int:
+        """``sglang:hicache_host_used_tokens`` = host total - host available."""
+        return self.size - len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        if need_size % self.page_size:
+            raise ValueError(f"host alloc({need_size}) is not page-aligned")
+        if need_size > len(self.free_slots):
+            return None
+        out = self.free_slots[len(self.free_slots) - need_size :][::-1]
+        del self.free_slots[len(self.free_slots) - need_size :]
+        for s in out:
+            self._owned[s] = 1
+        return out
+
+    def free(self, indices: Sequence[int]) -> None:
+        for s in indices:
+            if not self._owned[s]:
+                raise ValueError(f"double free of host slot {s}")
+            self._owned[s] = 0
+        self.free_slots.extend(indices)
+
+    def is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.size and bool(self._owned[slot])
+
+
+class HiRadixCache(RadixCache):
+    """Radix tree whose nodes can be backed up to, demoted to, and loaded back from host."""
+
+    def __init__(
+        self,
+        allocator: TokenToKVPoolAllocator,
+        page_size: int = 1,
+        store: KVStore | None = None,
+        hicache_ratio: float = 2.0,
+        hicache_write_policy: str = "write_through",
+        load_back_threshold: int = LOAD_BACK_THRESHOLD,
+    ) -> None:
+        if hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown hicache_write_policy {hicache_write_policy!r}")
+        super().__init__(allocator, page_size, store)
+        self.token_to_kv_pool_host = HostKVCache(allocator.size, hicache_ratio, page_size)
+        self.write_policy = hicache_write_policy
+        # unified_tree_core: threshold 1 for write_through, 2 otherwise (unused by write_back).
+        self.write_through_threshold = 1 if hicache_write_policy == "write_through" else 2
+        self.load_back_threshold = load_back_threshold
+        self.evictable_host_leaves: set[TreeNode] = set()
+        self.backup_tokens_total = 0  # sglang:hicache_backup_tokens_total
+        self.load_back_tokens_total = 0  # sglang:load_back_tokens_total
+        self.dropped_tokens_total = 0  # sglang:hicache_dropped_tokens_total (device tokens lost)
+
+    # ----------------------------------------------------------------- write (D -> H)
+    def write_backup(self, node: TreeNode) -> bool:
+        """Copy a device node to host; make room by host LRU eviction if needed."""
+        assert node.value is not None and node.host_value is None
+        n = len(node.value)
+        host_indices = self.token_to_kv_pool_host.alloc(n)
+        if host_indices is None:
+            self.evict_host(n)
+            host_indices = self.token_to_kv_pool_host.alloc(n)
+        if host_indices is None:
+            return False
+        self.store.copy("device", node.value, "host", host_indices)
+        node.host_value = host_indices
+        self.backup_tokens_total += n
+        return True
+
+    def _inc_hit_count(self, node: TreeNode) -> None:
+        """Insert-time hit counting (``_inc_hit_count_and_check``); write_back counts nothing."""
+        if self.write_policy == "write_back":
+            return
+        node.hit_count += 1
+        if not node.backuped and node.hit_count >= self.write_through_threshold:
+            self.write_backup(node)
+
+    def _insert_matched(self, node: TreeNode, value: list[int]) -> int:
+        """A host-only node on an insert path takes the inserting request's fresh slots.
+
+        That is KV recomputation of an evicted prefix: the node is device-resident again, the
+        slots now belong to the tree, and they are *not* reported as an already-cached prefix
+        (the caller must not free them).
+        """
+        if node.evicted:
+            node.value = list(value)
+            self.evictable_size_ += len(value)
+            self._update_leaf_status(node)
+            self._update_leaf_status(node.parent)  # type: ignore[arg-type]
+            return 0
+        self._inc_hit_count(node)
+        return len(node.key)
+
+    def _insert_new(self, node: TreeNode) -> None:
+        self._inc_hit_count(node)
+
+    # ----------------------------------------------------------------- eviction
+    def _evict_leaf(self, x: TreeNode) -> int:
+        """Device eviction of one leaf: demote if backed up (write_back backs up first), else drop."""
+        if not x.backuped and self.write_policy == "write_back":
+            self.write_backup(x)
+        if x.backuped:
+            return self._demote(x)
+        return self._drop_subtree(x)
+
+    def _demote(self, x: TreeNode) -> int:
+        assert x.value is not None
+        self.token_to_kv_pool_allocator.free(x.value)
+        freed = len(x.value)
+        x.value = None
+        self.evictable_size_ -= freed
+        self._update_leaf_status(x)
+        self._update_leaf_status(x.parent)  # type: ignore[arg-type]
+        return freed
+
+    def _drop_subtree(self, x: TreeNode) -> int:
+        """Lose a device leaf with no host copy, and the host-only nodes below it."""
+        assert x.value is not None
+        stack = list(x.children.values())
+        while stack:
+            d = stack.pop()
+            stack.extend(d.children.values())
+            self.token_to_kv_pool_host.free(d.host_value)  # type: ignore[arg-type]
+            self.evictable_host_leaves.discard(d)
+        x.children = {}
+        self.dropped_tokens_total += len(x.value)
+        return super()._evict_leaf(x)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host slots by deleting host-only leaves, least recently used first."""
+        heap = [(n.last_access_time, n.id, n) for n in self.evictable_host_leaves]
+        heapq.heapify(heap)
+        num_evicted = 0
+        while num_evicted < num_tokens and heap:
+            _, _, x = heapq.heappop(heap)
+            if x.host_ref_counter > 0:
+                continue
+            parent = x.parent
+            self.token_to_kv_pool_host.free(x.host_value)  # type: ignore[arg-type]
+            num_evicted += len(x.host_value)  # type: ignore[arg-type]
+            self._delete_leaf(x)
+            if parent in self.evictable_host_leaves:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))  # type: ignore[union-attr]
+        return num_evicted
+
+    def _delete_leaf(self, x: TreeNode) -> None:
+        self.evictable_host_leaves.discard(x)
+        super()._delete_leaf(x)
+
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        super()._update_leaf_status(node)
+        if node.evicted and not node.children:
+            self.evictable_host_leaves.add(node)
+        else:
+            self.evictable_host_leaves.discard(node)
+
+    # ----------------------------------------------------------------- load back (H -> D)
+    def load_back(self, last_host_node: TreeNode) -> list[int] | None:
+        """Load the host-only run ending at ``last_host_node`` into L1, all of it or nothing.
+
+        Device slots are allocated *before* the copy, evicting the device shortfall with the
+        device ancestor locked; if the pool still cannot serve every token, nothing is loaded.
+        """
+        nodes_to_load: list[TreeNode] = []
+        node = last_host_node
+        while node.evicted:
+            nodes_to_load.insert(0, node)
+            node = node.parent  # type: ignore[assignment]
+        ancestor = node
+        host_indices = [s for n in nodes_to_load for s in n.host_value]  # type: ignore[union-attr]
+        if len(host_indices) < self.load_back_threshold:
+            return None
+        self.inc_lock_ref(ancestor)
+        for n in nodes_to_load:
+            n.host_ref_counter += 1
+        self.evict_to_free_tokens(len(host_indices))
+        device_indices = self.token_to_kv_pool_allocator.alloc(len(host_indices))
+        for n in nodes_to_load:
+            n.host_ref_counter -= 1
+        self.dec_lock_ref(ancestor)
+        if device_indices is None:
+            return None
+        self.store.copy("host", host_indices, "device", device_indices)
+        offset = 0
+        for n in nodes_to_load:
+            n.value = device_indices[offset : offset + len(n.host_value)]  # type: ignore[arg-type]
+            offset += len(n.value)
+            self.evictable_size_ += len(n.value)
+        for n in (ancestor, *nodes_to_load):
+            self._update_leaf_status(n)
+        self.load_back_tokens_total += len(device_indices)
+        return device_indices
+
+    def host_used_tokens(self) -> int:
+        return self.token_to_kv_pool_host.used_size()
+
+    def host_total_tokens(self) -> int:
+        return self.token_to_kv_pool_host.size

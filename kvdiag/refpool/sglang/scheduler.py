@@ -1,0 +1,415 @@
+"""SGLang's scheduler loop over the reference pool, driven through ``EngineScheduler``.
+
+One ``schedule()`` call is one iteration of ``scheduler.get_next_batch_to_run``: a prefill batch
+if ``PrefillAdder`` can form one (FCFS, the in-flight chunked request first), else one decode
+step of the running batch (``update_running_batch``: capacity check, retraction, ratio decay).
+``update_from_output()`` is ``process_batch_result``: one token per request whose prefill
+completed or that decoded, checkpoint of prefilled prompts into the tree, release of finished
+requests, the chunked request stashed, and the prefill batch merged into the running batch.
+
+Every KV write goes to ``store.write("device", slots, keys)`` with the positions' chained keys,
+so any later prefix hit or load back can be verified byte for byte (``debug=True`` does so, and
+checks the pool invariants after every call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
+from kvdiag.refpool.sglang.hicache import HiRadixCache
+from kvdiag.refpool.sglang.invariants import check_scheduler_invariants
+from kvdiag.refpool.sglang.prefill_budget import (
+    CLIP_MAX_NEW_TOKENS,
+    RETRACT_DECODE_STEPS,
+    AddReqResult,
+    NewTokenRatioTracker,
+    PrefillAdder,
+)
+from kvdiag.refpool.sglang.radix_cache import RadixCache
+from kvdiag.refpool.sglang.schedule_batch import (
+    Req,
+    alloc_extend,
+    check_decode_mem,
+    checkpoint_kv_cache,
+    get_decode_retraction_order,
+    release_kv_cache,
+)
+from kvdiag.refpool.sglang.stats import SchedulerCounters, SGLangStats
+from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
+
+
+def default_max_running_requests(max_total_num_tokens: int, context_len: int) -> int:
+    """``kv_cache_configurator.resolve_max_num_reqs`` default."""
+    by_pool = min(max(int(max_total_num_tokens / context_len * 512), 2048), 4096)
+    return min(by_pool, max_total_num_tokens // 2)
+
+
+class SGLangScheduler:
+    """Reference SGLang 0.5.23 scheduler (non-overlap event loop, FCFS, radix cache on)."""
+
+    def __init__(
+        self,
+        max_total_num_tokens: int,
+        page_size: int = 1,
+        max_running_requests: int | None = None,
+        context_len: int = 32768,
+        chunked_prefill_size: int | None = 8192,
+        max_prefill_tokens: int = 16384,
+        schedule_conservativeness: float = 1.0,
+        enable_hierarchical_cache: bool = False,
+        hicache_ratio: float = 2.0,
+        hicache_write_policy: str = "write_through",
+        decode_log_interval: int = 40,
+        store: KVStore | None = None,
+        debug: bool = False,
+    ) -> None:
+        self.max_total_num_tokens = max_total_num_tokens
+        self.page_size = page_size
+        self.store: KVStore = store if store is not None else NullStore()
+        self.allocator = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
+        self.tree_cache: RadixCache
+        if enable_hierarchical_cache:
+            self.tree_cache = HiRadixCache(
+                self.allocator, page_size, self.store, hicache_ratio, hicache_write_policy
+            )
+        else:
+            self.tree_cache = RadixCache(self.allocator, page_size, self.store)
+        cap = max_total_num_tokens // 2
+        self.max_running_requests = min(
+            max_running_requests or default_max_running_requests(max_total_num_tokens, context_len), cap
+        )
+        self.max_req_len = min(context_len - 1, max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.max_prefill_tokens = max_prefill_tokens
+        self.decode_log_interval = decode_log_interval
+        self.debug = debug
+        self.ratio = NewTokenRatioTracker(schedule_conservativeness)
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch: list[Req] = []
+        self.batch_is_full = False
+        self._batch_full_on_kv = False  # why the latch was set (ground truth only)
+        self.chunked_req: Req | None = None
+        self.last_batch: list[Req] = []  # prefill batch scheduled, not yet merged into running
+        self.reqs: dict[SimRequest, Req] = {}
+        self._aborted: list[Req] = []
+        self._report: SGLangStats | None = None
+        self.counters = SchedulerCounters()
+        self.num_retracted_reqs = 0  # gauge: size of the last retraction since the last report
+        self.cache_hit_rate = 0.0
+        self.forward_ct_decode = 0
+
+    # ================================================================= protocol
+    def add_request(self, req: SimRequest) -> None:
+        """``handle_generate_request``: reject prompts past max_req_input_len, clamp max_new.
+
+        A request whose admission test could not pass even on an idle pool (possible only
+        with page_size > 1, where the page reserve exceeds the clamp's slack) is aborted too:
+        SGLang would leave it waiting forever.
+        """
+        r = Req(req, max_new_tokens=min(req.max_new_tokens, self.max_req_len - len(req.prompt) - 1))
+        self.reqs[req] = r
+        never_fits = len(req.prompt) + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS) + self.page_size
+        if len(req.prompt) > self.max_req_input_len or r.max_new_tokens < 1 or never_fits >= self.max_total_num_tokens:
+            r.aborted = r.finished = True
+            self._aborted.append(r)
+            return
+        self.waiting_queue.append(r)
+
+    def has_work(self) -> bool:
+        return bool(
+            self.waiting_queue
+            or self.chunked_req
+            or self._aborted
+            or any(not r.finished for r in self.running_batch)
+        )
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        before = self._l2_counters()
+        for _ in range(2):  # an idle iteration costs no forward time: retry admission once
+            plan.blocked_on_kv = plan.blocked_other = False
+            batch = self._get_new_batch_prefill(plan)
+            if batch:
+                self._prepare_for_extend(batch, plan, now)
+                self.last_batch = batch
+                break
+            if self._update_running_batch(plan):
+                break
+            self._on_idle()
+            if not self.waiting_queue:
+                break
+        after = self._l2_counters()
+        plan.loaded_tokens += after[0] - before[0]
+        plan.stored_tokens += after[1] - before[1]
+        if self.debug:
+            self.check_invariants()
+        return plan
+
+    def update_from_output(self, plan: StepPlan, now: float) -> list[SimRequest]:
+        before = self._l2_counters()
+        finished: list[SimRequest] = []
+        is_extend = any(c.is_prefill for c in plan.chunks)
+        for chunk in plan.chunks:
+            req = self.reqs[chunk.req]
+            if req is self.chunked_req:
+                checkpoint_kv_cache(req, self.tree_cache)  # stash_chunked_request
+                continue
+            req.sim.output.append(req.sim.next_token())
+            if req.sim.first_token is None:
+                req.sim.first_token = now
+            if req.should_finish():
+                release_kv_cache(req, self.tree_cache, checkpoint=True)
+                req.finished = True
+                finished.append(req.sim)
+                self.counters.num_requests_total += 1
+                self.counters.prompt_tokens_total += len(req.origin_input_ids)
+                self.counters.generation_tokens_total += len(req.output_ids)
+                del self.reqs[req.sim]
+            elif chunk.is_prefill:
+                checkpoint_kv_cache(req, self.tree_cache)
+        if is_extend:
+            self._merge_prefill_batch(self.last_batch)
+            self.last_batch = []
+        elif plan.chunks:
+            self.forward_ct_decode += 1
+            if self.forward_ct_decode % self.decode_log_interval == 0:
+                self._snapshot_report()
+        for req in self._aborted:
+            finished.append(req.sim)
+            self.counters.num_aborted_requests_total += 1
+            del self.reqs[req.sim]
+        self._aborted = []
+        for sim in finished:
+            sim.finished = now
+        if not self.has_work():
+            self._on_idle()
+        after = self._l2_counters()
+        plan.loaded_tokens += after[0] - before[0]
+        plan.stored_tokens += after[1] - before[1]
+        if self.debug:
+            self.check_invariants()
+        return finished
+
+    # ================================================================= prefill
+    def _get_new_batch_prefill(self, plan: StepPlan) -> list[Req] | None:
+        """``scheduler._get_new_batch_prefill_raw`` under FCFS."""
+        if (self.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            if self.batch_is_full and self.waiting_queue:
+                self._mark_blocked(plan, self._batch_full_on_kv)
+            return None
+        running_bs = len(self.running_batch)
+        if running_bs >= self.max_running_requests and self.chunked_req is None:
+            self._set_batch_full(on_kv=False)
+            self._mark_blocked(plan, on_kv=False)
+            return None
+        adder = PrefillAdder(
+            self.tree_cache, self.running_batch, self.ratio.current, self.max_prefill_tokens, self.chunked_prefill_size
+        )
+        if self.chunked_req is not None:
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        blocked_on_kv: bool | None = None  # why the queue stopped, if it did
+        for req in self.waiting_queue:
+            if len(adder.can_run_list) >= self.max_running_requests - running_bs:
+                self._set_batch_full(on_kv=False)
+            if self.batch_is_full:
+                blocked_on_kv = self._batch_full_on_kv
+                break
+            res = adder.budget_state()
+            if res is AddReqResult.CONTINUE:
+                req.init_next_round_input(self.tree_cache)
+                res = adder.add_one_req(req)
+            if res is not AddReqResult.CONTINUE:
+                blocked_on_kv = res is AddReqResult.NO_TOKEN
+                if blocked_on_kv and (adder.can_run_list or self.running_batch):
+                    self._set_batch_full(on_kv=True)
+                break
+        admitted = set(adder.can_run_list)
+        self.waiting_queue = [r for r in self.waiting_queue if r not in admitted]
+        if blocked_on_kv is not None and self.waiting_queue:
+            self._mark_blocked(plan, blocked_on_kv)
+        if not adder.can_run_list:
+            return None
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None, "one chunked request at a time"
+            self.chunked_req = adder.new_chunked_req
+        fresh_input = adder.log_input_tokens - adder.reprocessed_log_input_tokens
+        fresh_hit = adder.log_hit_tokens - adder.reprocessed_log_hit_tokens
+        self.cache_hit_rate = fresh_hit / (fresh_hit + fresh_input) if fresh_hit + fresh_input else 0.0
+        c = self.counters
+        c.prefill_effective_input_tokens_total += fresh_input
+        c.cached_tokens_device_total += adder.log_device_hit_tokens
+        c.cached_tokens_host_total += adder.log_host_hit_tokens
+        c.num_prefill_batches += 1
+        self._snapshot_report()  # log_prefill_stats runs before the batch allocates
+        return adder.can_run_list
+
+    def _prepare_for_extend(self, batch: list[Req], plan: StepPlan, now: float) -> None:
+        """Allocate every extend (``alloc_token_slots`` evicts the shortfall first) and write KV."""
+        extend_num_tokens = sum(r.extend_input_len for r in batch)
+        over_ask = len(batch) * self.page_size if self.page_size > 1 else 0
+        self.tree_cache.evict_to_free_tokens(extend_num_tokens + over_ask)
+        for req in batch:
+            fresh = not req.kv_indices
+            if fresh:
+                req.kv_indices = list(req.prefix_indices)
+                req.cache_protected_len = len(req.prefix_indices)
+                self._on_admitted(req, now)
+            start = len(req.kv_indices)
+            if self.debug:
+                self._verify_device(req.kv_indices, req.kv_keys(0, start), f"prefix hit of {req.sim.rid}")
+            slots = alloc_extend(req, self.tree_cache, req.extend_input_len)
+            self.store.write("device", slots, req.kv_keys(start, start + len(slots)))
+            plan.chunks.append(ScheduledChunk(req.sim, len(slots), start, is_prefill=True))
+
+    def _on_admitted(self, req: Req, now: float) -> None:
+        sim = req.sim
+        if sim.first_scheduled is None:
+            sim.first_scheduled = now
+        if req.retracted_stain:
+            sim.recomputed_tokens += req.fill_len - len(req.prefix_indices)
+        else:
+            sim.device_hit_tokens = len(req.prefix_indices) - req.host_loaded_length
+            sim.host_hit_tokens = req.host_loaded_length
+
+    def _merge_prefill_batch(self, batch: list[Req]) -> None:
+        """Filter finished and chunked requests out of the last prefill batch, merge the rest."""
+        kept = [r for r in batch if not r.finished and r is not self.chunked_req]
+        if len(kept) < len(batch):
+            self.batch_is_full = False
+        self.running_batch.extend(kept)
+
+    # ================================================================= decode
+    def _update_running_batch(self, plan: StepPlan) -> bool:
+        """One decode step of the running batch; False when nothing is left to decode."""
+        initial_bs = len(self.running_batch)
+        self.running_batch = [r for r in self.running_batch if not r.finished]
+        if not self.running_batch:
+            self.batch_is_full = False
+            return False
+        if not check_decode_mem(self.running_batch, self.tree_cache):
+            plan.evicted.extend(r.sim for r in self._retract_decode())
+        else:
+            self.ratio.decay_step()
+        if len(self.running_batch) < initial_bs:
+            self.batch_is_full = False
+        if not self.running_batch:  # its last request was aborted
+            return False
+        for req in self.running_batch:
+            pos = len(req.kv_indices)
+            slot = alloc_extend(req, self.tree_cache, 1)
+            self.store.write("device", slot, req.kv_keys(pos, pos + 1))
+            plan.chunks.append(ScheduledChunk(req.sim, 1, pos, is_prefill=False))
+        return True
+
+    def _retract_decode(self) -> list[Req]:
+        """``ScheduleBatch.retract_decode``: retract until the rest can decode; keep at least one."""
+        batch = self.running_batch
+        sorted_indices = get_decode_retraction_order(batch)
+        retracted: list[Req] = []
+        first_iter = True
+        while first_iter or not check_decode_mem([batch[i] for i in sorted_indices], self.tree_cache):
+            if len(sorted_indices) == 1:
+                # Always keep one request; if even it alone cannot decode, it is aborted (500).
+                last = batch[sorted_indices.pop()]
+                release_kv_cache(last, self.tree_cache, checkpoint=False)
+                last.aborted = last.finished = True
+                self._aborted.append(last)
+                break
+            first_iter = False
+            req = batch[sorted_indices.pop()]
+            retracted.append(req)
+            release_kv_cache(req, self.tree_cache, checkpoint=False)
+            self.tree_cache.evict_to_free_tokens(len(sorted_indices) * RETRACT_DECODE_STEPS)
+            c = self.counters
+            c.num_retracted_requests_total += 1
+            c.num_retracted_input_tokens_total += len(req.origin_input_ids)
+            c.num_retracted_output_tokens_total += len(req.output_ids)
+            req.reset_for_retract()
+            req.sim.evictions += 1
+        keep = sorted(sorted_indices)
+        self.running_batch = [batch[i] for i in keep]
+        self.ratio.current = NewTokenRatioTracker.estimate_after_retract(self.running_batch)
+        self.waiting_queue.extend(retracted)  # _add_request_to_queue: appended at the tail
+        if retracted:
+            self.num_retracted_reqs = len(retracted)
+        return retracted
+
+    # ================================================================= idle, flags, stats
+    def _on_idle(self) -> None:
+        """Fully idle: drop released requests, reset the ratio (``on_idle``) and self-check."""
+        if self.waiting_queue or self.chunked_req or any(not r.finished for r in self.running_batch):
+            return
+        self.running_batch = []
+        self.batch_is_full = False
+        self.ratio.reset()
+        if self.debug:
+            idle_total = self.allocator.available_size() + self.tree_cache.evictable_size()
+            assert idle_total == self.max_total_num_tokens, f"idle pool leak: {idle_total}"
+
+    def _set_batch_full(self, on_kv: bool) -> None:
+        self.batch_is_full = True
+        self._batch_full_on_kv = on_kv
+
+    @staticmethod
+    def _mark_blocked(plan: StepPlan, on_kv: bool) -> None:
+        if on_kv:
+            plan.blocked_on_kv = True
+        else:
+            plan.blocked_other = True
+
+    def _l2_counters(self) -> tuple[int, int]:
+        tree = self.tree_cache
+        if isinstance(tree, HiRadixCache):
+            return tree.load_back_tokens_total, tree.backup_tokens_total
+        return 0, 0
+
+    def _verify_device(self, slots: list[int], keys: list[int], what: str) -> None:
+        if slots and not self.store.verify("device", slots, keys):
+            raise AssertionError(f"KV bytes do not match for {what}")
+
+    def stats(self) -> SGLangStats:
+        """Live counters and gauges, named after the ``sglang:*`` metrics they feed."""
+        tree = self.tree_cache
+        hi = tree if isinstance(tree, HiRadixCache) else None
+        return SGLangStats(
+            max_total_num_tokens=self.max_total_num_tokens,
+            page_size=self.page_size,
+            max_running_requests=self.max_running_requests,
+            kv_available_tokens=self.allocator.available_size(),
+            kv_evictable_tokens=tree.evictable_size(),
+            kv_protected_tokens=tree.protected_size(),
+            num_running_reqs=len(self.running_batch),
+            num_queue_reqs=len(self.waiting_queue),
+            new_token_ratio=self.ratio.current,
+            cache_hit_rate=self.cache_hit_rate,
+            num_retracted_reqs=self.num_retracted_reqs,
+            evicted_tokens_total=tree.evicted_tokens_total,
+            forward_ct_decode=self.forward_ct_decode,
+            hicache_host_used_tokens=hi.host_used_tokens() if hi else None,
+            hicache_host_total_tokens=hi.host_total_tokens() if hi else None,
+            load_back_tokens_total=hi.load_back_tokens_total if hi else None,
+            hicache_backup_tokens_total=hi.backup_tokens_total if hi else None,
+            hicache_dropped_tokens_total=hi.dropped_tokens_total if hi else None,
+            **asdict(self.counters),
+        )
+
+    def _snapshot_report(self) -> None:
+        self._report = self.stats()
+        self.num_retracted_reqs = 0  # the last-retraction gauge is reset after each report
+
+    def take_report(self) -> SGLangStats | None:
+        """The gauges SGLang published since the last call, if any.
+
+        SGLang refreshes its scheduler gauges only when a prefill batch is formed (before it
+        allocates) and every ``decode_log_interval`` decode steps; the emitter should publish
+        exactly these snapshots, not ``stats()`` at arbitrary times.
+        """
+        report, self._report = self._report, None
+        return report
+
+    def check_invariants(self) -> None:
+        """Recount the pool from scratch; raise ``AssertionError`` on any disagreement."""
+        check_scheduler_invariants(self)
