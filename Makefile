@@ -25,6 +25,9 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q
 
+generate: $(STAMP)
+	$(KVDIAG) render
+
 bench: $(STAMP)
 	$(PY) bench/bench_exposition.py
 

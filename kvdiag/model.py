@@ -156,3 +156,80 @@ class Scrape:
     target: str
     content_type: str | None
     body: str
+
+
+# --- The diagnosis: what the checks conclude about one instance -----------------------------
+
+Status = Literal["firing", "ok", "unknown"]
+Severity = Literal["critical", "warning", "info", "none"]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The numbers a check looked at and the span they came from, so every answer can be
+    checked by hand against the engine's own series."""
+
+    start: float  # first sample used (unix seconds)
+    end: float  # last sample used
+    samples: int  # samples in the span
+    values: dict[str, float | int | str | bool | None] = field(default_factory=dict)
+    summary: str = ""  # one sentence a person reads first
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check on one instance: firing / ok / unknown, why, and on which numbers.
+
+    ``missing`` names the PoolSample fields that were absent when the status is unknown (or
+    the reason a window is needed); ``hint`` says how to get them.
+    """
+
+    check: str
+    status: Status
+    evidence: Evidence
+    missing: tuple[str, ...] = ()
+    hint: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decision table's answer for one instance."""
+
+    name: str
+    severity: Severity
+    exit_code: int
+    alert: str | None  # the Prometheus alert that carries the same answer
+    reason: str  # which signals fired, which were missing
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A remark that may accompany any verdict (e.g. a high hit ratio beside a bad P99)."""
+
+    name: str
+    severity: Severity
+    alert: str | None
+    text: str
+
+
+@dataclass
+class Diagnosis:
+    """Everything kvdiag says about one instance: verdict, checks, findings, remedies."""
+
+    instance: str
+    engine: str
+    model: str | None
+    verdict: Verdict
+    checks: dict[str, CheckResult]
+    findings: list[Finding] = field(default_factory=list)
+    remedies: list[str] = field(default_factory=list)
+    # The numbers behind the remedies: pool tokens, tokens per request, the concurrency ceiling.
+    figures: dict[str, float | int | str | None] = field(default_factory=dict)
+    start: float = math.nan
+    end: float = math.nan
+    samples: int = 0
+    notes: list[str] = field(default_factory=list)

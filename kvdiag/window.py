@@ -102,6 +102,7 @@ class Window:
             raise ValueError(f"window for {instance} has no samples")
         self._frame: pd.DataFrame | None = None
         self._columns: dict[str, np.ndarray] = {}
+        self._hists: dict[str, tuple | None] = {}
 
     @property
     def last(self) -> PoolSample:
@@ -176,24 +177,53 @@ class Window:
         ts, vals = self.points(name, since)
         return theil_sen(ts, vals)
 
-    def histogram_increase(self, name: str, since: float | None = None) -> Histogram | None:
-        """Per-bucket reset-safe increase of a cumulative histogram field over the window.
+    def _histograms(self, name: str) -> tuple[tuple[float, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(bounds, ts, bucket counts, sums, counts) of a histogram field, built once per window.
 
-        Only samples with the same bucket layout as the newest one take part (a version
-        upgrade may change the bounds).
-        """
+        Only samples with the newest sample's bucket layout take part (an upgrade may change
+        the bounds)."""
+        cached = self._hists.get(name)
+        if cached is not None or name in self._hists:
+            return cached
         hists = [(s.ts, getattr(s, name)) for s in self.samples if getattr(s, name) is not None]
-        if since is not None:
-            hists = [(t, h) for t, h in hists if t >= since]
-        if not hists:
+        out = None
+        if hists:
+            bounds = hists[-1][1].bounds
+            same = [(t, h) for t, h in hists if h.bounds == bounds]
+            out = (
+                bounds,
+                np.array([t for t, _ in same], dtype=float),
+                np.array([h.counts for _, h in same], dtype=float),
+                np.array([h.sum for _, h in same], dtype=float),
+                np.array([h.count for _, h in same], dtype=float),
+            )
+        self._hists[name] = out
+        return out
+
+    def histogram_increase(self, name: str, since: float | None = None) -> Histogram | None:
+        """Reset-safe increase of a cumulative histogram field over the window.
+
+        A restart is an interval where the observation count or any bucket dropped; every
+        bucket then counts its value after the restart, so a bucket that refilled past its old
+        count is not undercounted.
+        """
+        built = self._histograms(name)
+        if built is None:
             return None
-        bounds = hists[-1][1].bounds
-        same = [h for _, h in hists if h.bounds == bounds]
-        counts = np.array([h.counts for h in same], dtype=float)
-        inc = np.where(np.diff(counts, axis=0) < 0, counts[1:], np.diff(counts, axis=0)).sum(axis=0) if len(same) > 1 else np.zeros(len(bounds))
-        sums = np.array([h.sum for h in same], dtype=float)
-        counts_total = np.array([h.count for h in same], dtype=float)
-        return Histogram(bounds, tuple(float(x) for x in inc), counter_increase(sums), counter_increase(counts_total))
+        bounds, ts, counts, sums, totals = built
+        if since is not None:
+            keep = ts >= since
+            counts, sums, totals = counts[keep], sums[keep], totals[keep]
+        if len(totals) == 0:
+            return None
+        if len(totals) == 1:
+            return Histogram(bounds, tuple(0.0 for _ in bounds), 0.0, 0.0)
+        deltas = np.diff(counts, axis=0)
+        reset = (np.diff(totals) < 0) | (deltas < 0).any(axis=1)
+        inc = np.where(reset[:, None], counts[1:], deltas).sum(axis=0)
+        total_inc = float(np.where(reset, totals[1:], np.diff(totals)).sum())
+        sum_inc = float(np.where(reset, sums[1:], np.diff(sums)).sum())
+        return Histogram(bounds, tuple(float(x) for x in inc), sum_inc, total_inc)
 
     def quantile(self, q: float, name: str, since: float | None = None) -> QuantileEstimate | None:
         """``histogram_quantile(q, rate(name_bucket[window]))`` for this instance."""

@@ -77,3 +77,12 @@ def test_windows_groups_and_trims() -> None:
     ws = windows(samples, seconds=30)
     assert set(ws) == {"a", "b"} and [s.ts for s in ws["a"].samples] == [60, 70, 80, 90]
     assert ws["a"].frame.shape == (4, ws["a"].frame.shape[1]) and ws["a"].duration == 30
+
+
+def test_histogram_restart_where_a_bucket_refills_past_its_old_count() -> None:
+    bounds = (1.0, math.inf)
+    h = lambda c: Histogram(bounds, c, 0.0, c[-1])  # noqa: E731
+    # Before: 5 fast of 100. After the restart: 10 fast of 10 (the fast bucket grew past 5).
+    w = Window("i", [_sample(0, ttft=h((5.0, 100.0))), _sample(5, ttft=h((10.0, 10.0)))])
+    inc = w.histogram_increase("ttft")
+    assert inc.counts == (10.0, 10.0) and inc.count == 10.0

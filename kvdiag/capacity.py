@@ -1,0 +1,228 @@
+"""KV bytes per token, pool tokens and the concurrency ceiling, from model and GPU facts.
+
+A token's KV size is fixed by the model: ``2 x layers x kv_heads x head_dim x dtype_bytes`` for
+MHA/GQA, and ``(kv_lora_rank + qk_rope_head_dim) x layers x dtype_bytes`` for MLA, which
+stores one compressed latent per layer. Tensor parallelism splits KV heads across GPUs (an
+MLA latent is replicated on every rank). The pool holds ``pool bytes per GPU / KV bytes per
+token per GPU`` tokens, and at most ``pool tokens / sequence length`` requests fit at once:
+the ceiling no scheduler setting can raise.
+
+The presets are the models' published config numbers; the reference pool imports them for
+real-shape KV tensors and its roofline model, so they are plain public dataclasses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024**3
+MIB = 1024**2
+
+#: Bytes per element of the KV cache dtypes the engines offer.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape, as its HF ``config.json`` gives it."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int  # dense MLP width (first_k_dense layers for DeepSeek)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: float | None = None  # published total parameters
+    active_params: float | None = None  # published parameters per token (MoE)
+    # MLA (DeepSeek-V2/V3): the KV cache is one latent of kv_lora_rank + qk_rope_head_dim per layer.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    q_lora_rank: int | None = None
+    # Mixture of experts.
+    experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    moe_intermediate: int | None = None  # expert width; None = intermediate
+    dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    tie_embeddings: bool = False
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> int:
+        """KV bytes one token occupies across the whole model (all layers, all ranks)."""
+        if self.mla:
+            return int((self.kv_lora_rank + (self.qk_rope_head_dim or 0)) * self.layers * dtype_bytes)  # type: ignore[operator]
+        return int(2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes)
+
+    def kv_bytes_per_token_per_gpu(self, dtype_bytes: float, tp: int = 1) -> int:
+        """KV bytes one token occupies on each GPU of a TP group: KV heads are split across
+        ranks (replicated when TP exceeds them); an MLA latent is stored whole on every rank."""
+        if self.mla:
+            return self.kv_bytes_per_token(dtype_bytes)
+        heads_per_gpu = math.ceil(self.kv_heads / tp)
+        return int(2 * self.layers * heads_per_gpu * self.head_dim * dtype_bytes)
+
+    def estimated_params(self) -> float:
+        """Parameters from the shapes (embeddings, attention, MLP/experts; norms ignored)."""
+        h = self.hidden
+        if self.mla:
+            nope, rope, v = self.qk_nope_head_dim or 0, self.qk_rope_head_dim or 0, self.v_head_dim or self.head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * self.heads * (nope + rope) if self.q_lora_rank else h * self.heads * (nope + rope)
+            attn = q + h * (self.kv_lora_rank + rope) + self.kv_lora_rank * self.heads * (nope + v) + self.heads * v * h  # type: ignore[operator]
+        else:
+            attn = 2 * h * self.heads * self.head_dim + 2 * h * self.kv_heads * self.head_dim
+        dense_mlp = 3 * h * self.intermediate
+        if self.experts:
+            width = self.moe_intermediate or self.intermediate
+            moe_mlp = (self.experts + self.shared_experts) * 3 * h * width + h * self.experts
+            mlp = self.dense_layers * dense_mlp + (self.layers - self.dense_layers) * moe_mlp
+        else:
+            mlp = self.layers * dense_mlp
+        embeddings = self.vocab * h * (1 if self.tie_embeddings else 2)
+        return float(self.layers * attn + mlp + embeddings)
+
+    def weight_bytes(self, dtype_bytes: float) -> float:
+        return (self.params or self.estimated_params()) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU's datasheet figures; ``visible_mib`` is the total nvidia-smi reports."""
+
+    name: str
+    memory_gb: float  # datasheet
+    visible_mib: int  # what the driver exposes (nvidia-smi memory.total)
+    hbm_bytes_per_s: float
+    bf16_dense_flops: float
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.visible_mib * MIB
+
+
+MODELS: dict[str, ModelSpec] = {
+    m.name.lower(): m
+    for m in (
+        ModelSpec("Llama-3-8B", layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, params=8.03e9),
+        ModelSpec("Llama-3-70B", layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256, params=70.6e9),
+        ModelSpec("Qwen2.5-72B", layers=80, hidden=8192, intermediate=29568, heads=64, kv_heads=8, head_dim=128, vocab=152064, params=72.7e9),
+        ModelSpec(
+            "Mixtral-8x7B", layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=32000,
+            params=46.7e9, active_params=12.9e9, experts=8, experts_per_token=2,
+        ),
+        ModelSpec(
+            "DeepSeek-V3", layers=61, hidden=7168, intermediate=18432, heads=128, kv_heads=128, head_dim=192, vocab=129280,
+            params=671e9, active_params=37e9, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            q_lora_rank=1536, experts=256, experts_per_token=8, shared_experts=1, moe_intermediate=2048, dense_layers=3,
+        ),
+    )
+}  # fmt: skip
+
+GPUS: dict[str, GPUSpec] = {
+    "h100": GPUSpec("H100", memory_gb=80, visible_mib=81559, hbm_bytes_per_s=3.35e12, bf16_dense_flops=989e12),
+    "h200": GPUSpec("H200", memory_gb=141, visible_mib=143771, hbm_bytes_per_s=4.8e12, bf16_dense_flops=989e12),
+}
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` (or a folder holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{p}: cannot read ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]  # multimodal wrappers keep the language model here
+
+    def need(key: str) -> int:
+        if key not in cfg:
+            raise ValueError(f"{p}: no {key!r}; not a decoder config kvdiag understands")
+        return int(cfg[key])
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    return ModelSpec(
+        name=str(cfg.get("_name_or_path") or p.parent.name or "model"),
+        layers=need("num_hidden_layers"),
+        hidden=hidden,
+        intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+        heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab=need("vocab_size"),
+        kv_lora_rank=cfg.get("kv_lora_rank"),
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim"),
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim"),
+        v_head_dim=cfg.get("v_head_dim"),
+        q_lora_rank=cfg.get("q_lora_rank"),
+        experts=int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0),
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+        shared_experts=int(cfg.get("n_shared_experts") or 0),
+        moe_intermediate=cfg.get("moe_intermediate_size"),
+        dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def model(name_or_path: str) -> ModelSpec:
+    """A preset by name (case-insensitive) or a HF config path."""
+    key = name_or_path.lower()
+    if key in MODELS:
+        return MODELS[key]
+    if Path(name_or_path).exists():
+        return from_hf_config(name_or_path)
+    raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(m.name for m in MODELS.values())}) nor a config.json path")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A deployment's KV pool: per-GPU bytes, tokens, and the ceiling per context length."""
+
+    model: ModelSpec
+    kv_dtype: str
+    tp: int
+    pool_bytes_per_gpu: int
+    weight_bytes_per_gpu: int | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token(DTYPE_BYTES[self.kv_dtype])
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        return self.model.kv_bytes_per_token_per_gpu(DTYPE_BYTES[self.kv_dtype], self.tp)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool_bytes_per_gpu // self.kv_bytes_per_token_per_gpu
+
+    def concurrency(self, context: int) -> int:
+        """Requests of ``context`` tokens (input + output) that fit in the pool at once."""
+        return self.pool_tokens // context
+
+
+def pool_from_memory(spec: ModelSpec, tp: int, gpu_bytes: float, mem_fraction: float, weight_bytes: float) -> tuple[int, int]:
+    """(pool bytes per GPU, weight bytes per GPU): the engine's static fraction of GPU memory
+    less this rank's share of the weights. An upper bound: activations and CUDA graphs also
+    come out of that fraction in some engines."""
+    weights_per_gpu = int(weight_bytes / tp)
+    pool = int(gpu_bytes * mem_fraction) - weights_per_gpu
+    if pool <= 0:
+        raise ValueError(
+            f"{spec.name}: {weights_per_gpu / GIB:.1f} GiB of weights per GPU leave no room in "
+            f"{mem_fraction:g} x {gpu_bytes / GIB:.1f} GiB; raise --tp or the memory fraction"
+        )
+    return pool, weights_per_gpu

@@ -1,0 +1,84 @@
+"""The checklist: every check on an instance's window, the verdict, findings and remedies.
+
+Checks are pure functions of a ``Window`` and a ``Config``; what they are called, what they
+compare against and what their answers mean is defined once in ``kvdiag.checks.catalog``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from kvdiag.checks import evictions, l2, latency, prefix, queue, saturation
+from kvdiag.checks.base import recent
+from kvdiag.checks.catalog import CHECKS, EXIT_ORDER, FINDINGS, SIGNALS, VERDICTS
+from kvdiag.checks.remedies import figures, remedies
+from kvdiag.checks.verdict import decide, findings
+from kvdiag.config import Config
+from kvdiag.model import CheckResult, Diagnosis, Evidence, Verdict
+from kvdiag.window import Window
+
+Evaluator = Callable[[Window, Config], CheckResult]
+
+#: The Python evaluation of each catalog check, in catalog order.
+EVALUATORS: dict[str, Evaluator] = {
+    m.NAME: m.evaluate for m in (saturation, queue, evictions, latency, prefix, l2)
+}
+if list(EVALUATORS) != [c.name for c in CHECKS]:
+    raise AssertionError("check modules and catalog disagree")
+
+SIGNAL_CHECKS = tuple(SIGNALS.values())
+
+
+def run_checks(window: Window, config: Config) -> dict[str, CheckResult]:
+    return {name: evaluate(window, config) for name, evaluate in EVALUATORS.items()}
+
+
+def diagnose(window: Window, config: Config) -> Diagnosis:
+    """The full answer for one instance over the window ending at its newest sample."""
+    window = recent(window, config)
+    checks = run_checks(window, config)
+    verdict = decide(checks, config)
+    found = findings(verdict, checks)
+    figs = figures(window, config)
+    hints = [checks[c].hint for c in SIGNAL_CHECKS if checks[c].status == "unknown" and checks[c].hint]
+    if verdict.name == "unknown" and hints:
+        figs["unknown_hints"] = "; ".join(dict.fromkeys(hints))
+    names = list(VERDICTS[verdict.name].remedies) + [r for f in found for r in FINDINGS[f.name].remedies]
+    last = window.last
+    return Diagnosis(
+        instance=window.instance,
+        engine=window.engine,
+        model=last.model,
+        verdict=verdict,
+        checks=checks,
+        findings=found,
+        remedies=remedies(names, window.engine, figs),
+        figures=figs,
+        start=window.start,
+        end=window.end,
+        samples=len(window),
+        notes=list(dict.fromkeys(last.notes)),
+    )
+
+
+def diagnose_all(windows: Iterable[Window], config: Config) -> list[Diagnosis]:
+    return [diagnose(w, config) for w in windows]
+
+
+def undiagnosable(target: str, reason: str, ts: float) -> Diagnosis:
+    """A target that served no diagnosable engine metrics (not an engine, metrics off, or an
+    error): verdict unknown, the reason as its evidence and remedy."""
+    checks = {
+        c.name: CheckResult(c.name, "unknown", Evidence(ts, ts, 0, {}, reason), c.needs) for c in CHECKS
+    }
+    spec = VERDICTS["unknown"]
+    verdict = Verdict("unknown", spec.severity, spec.exit_code, spec.alert, reason)
+    advice = remedies(spec.remedies, "unknown", {"unknown_hints": reason})
+    return Diagnosis(target, "unknown", None, verdict, checks, remedies=advice, start=ts, end=ts)
+
+
+def exit_code(diagnoses: Iterable[Diagnosis]) -> int:
+    """The worst verdict's exit code over instances (0 fine, 1 warning, 2 critical, 3 unknown);
+    3 when there is nothing to judge."""
+    codes = [d.verdict.exit_code for d in diagnoses]
+    return max(codes, key=EXIT_ORDER.index) if codes else 3

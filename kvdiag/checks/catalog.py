@@ -1,0 +1,365 @@
+"""The checklist as data: checks, the verdict decision table, findings, alerts and remedies.
+
+This module is the one definition every surface renders: the Python evaluation (the check
+modules beside it read their thresholds from ``kvdiag.config.Config`` by the names listed
+here), the Prometheus recording/alerting rules and the Grafana dashboards (``kvdiag render``),
+`kvdiag explain`, and the runbooks. Nothing here names an engine.
+
+Shape, for renderers:
+
+- ``SERIES``: the engine-neutral series the PromQL below reads, ``name -> Series``; recording
+  rules produce them from the engines' own series, in every spelling (names may contain ``{window}``).
+- ``CHECKS``: ``CheckSpec`` per check, in evaluation order. ``signal`` is the decision-table
+  column ("S", "Q", "E") or None. ``promql`` is a template over ``SERIES`` whose ``{key}``
+  placeholders are ``Config.promql_params()`` keys (and ``{S}`` etc. for other signals);
+  ``check_expr(name, config)`` fills it in.
+- ``DECISION_TABLE``: eight ``Row``s, one per (S, Q, E) combination, each naming its verdict.
+- ``VERDICTS``: ``VerdictSpec`` per verdict (severity, alert name, exit code, remedies);
+  ``verdict_expr(name, config, checks=None)`` composes the alert expression from the rows
+  (``checks`` maps check names to recorded series to use in place of the inline PromQL).
+- ``FINDINGS``: ``FindingSpec`` per finding: checks that must fire (``all_of``), checks that
+  must be known not to fire (``none_of``), verdicts it accompanies (``verdicts``, empty = any);
+  ``finding_expr(name, config)`` composes its expression.
+- ``REMEDIES``: ``RemedySpec`` per remedy: a text with ``{figure}``/``{knob}`` placeholders and
+  a plain text for when the figures are not known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Mapping
+
+from kvdiag.config import Config
+from kvdiag.model import Severity
+
+
+@dataclass(frozen=True)
+class Series:
+    """An engine-neutral series the rules record and the checks' PromQL reads."""
+
+    name: str
+    field: str  # the PoolSample field it corresponds to
+    meaning: str
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    name: str
+    signal: str | None  # decision-table column, or None for checks that only feed findings
+    title: str
+    fires_when: str  # with {key} placeholders from Config.describe() keys
+    params: tuple[str, ...]  # Config keys it reads
+    needs: tuple[str, ...]  # PoolSample fields it reads
+    growth: bool  # needs a window of samples; unknown on a single exposition
+    promql: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the decision table: the three capacity signals and the answer."""
+
+    s: bool
+    q: bool
+    e: bool
+    verdict: str
+    meaning: str
+
+    @property
+    def signals(self) -> tuple[bool, bool, bool]:
+        return (self.s, self.q, self.e)
+
+
+@dataclass(frozen=True)
+class VerdictSpec:
+    name: str
+    severity: Severity
+    exit_code: int
+    alert: str | None  # Prometheus alert name; None for healthy
+    summary: str
+    remedies: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FindingSpec:
+    name: str
+    severity: Severity
+    alert: str | None
+    summary: str
+    all_of: tuple[str, ...]  # checks that must be firing
+    none_of: tuple[str, ...] = ()  # checks that must be ok (known, not firing)
+    verdicts: tuple[str, ...] = ()  # verdicts it may accompany; empty means any
+    remedies: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RemedySpec:
+    name: str
+    text: str  # placeholders: figures (pool_tokens, avg_len, ceiling, ...) and knobs (admission_limit, ...)
+    plain: str  # the same advice without numbers
+
+
+#: Exit codes from best to worst, for "the worst over instances": a bottleneck outranks an
+#: instance that cannot be judged, which outranks a warning (it may hide a bottleneck).
+EXIT_ORDER = (0, 1, 3, 2)
+
+#: The decision-table columns, in order, and the checks that decide them.
+SIGNALS = {"S": "kv_usage_saturated", "Q": "queue_growing", "E": "evictions_growing"}
+
+SERIES = {
+    s.name: s
+    for s in (
+        Series("instance:kvdiag_kv_usage:ratio", "usage_ratio", "active (non-evictable) KV usage 0-1; max over TP ranks"),
+        Series("instance:kvdiag_waiting:requests", "waiting", "requests in the waiting queue; max over TP ranks"),
+        Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
+        Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
+        Series("instance:kvdiag_ttft_seconds:p99_{window}", "ttft", "histogram_quantile of the TTFT buckets' rate()"),
+        Series("instance:kvdiag_ttft_requests:increase{window}", "ttft", "first tokens observed in the window (traffic floor)"),
+        Series("instance:kvdiag_prefix_hit:ratio{window}", "prefix_hit_tokens_total", "rate(hit tokens) / rate(queried tokens)"),
+        Series("instance:kvdiag_l2_usage:ratio", "l2_used_tokens", "L2 (host tier) used / capacity, where reported"),
+        Series("instance:kvdiag_l2_hit:share{window}", "l2_hit_tokens_total", "rate(L2 hit tokens) / rate(queried tokens)"),
+    )
+}
+
+CHECKS = (
+    CheckSpec(
+        "kv_usage_saturated",
+        "S",
+        "KV pool pinned near 1",
+        "active usage >= {saturated_usage} in >= {saturated_fraction} of the window's samples and at its end",
+        ("window", "saturated_usage", "saturated_fraction"),
+        ("usage_ratio",),
+        False,
+        "avg_over_time((instance:kvdiag_kv_usage:ratio >= bool {saturated_usage})[{window}:]) >= {saturated_fraction}"
+        " and instance:kvdiag_kv_usage:ratio >= {saturated_usage}",
+    ),
+    CheckSpec(
+        "queue_growing",
+        "Q",
+        "waiting queue growing",
+        "waiting > 0 at the end and a robust (Theil-Sen) slope > {queue_growth_per_min}/min, "
+        "or waiting >= {backlog_ratio} x running with a slope >= 0 (a backlog not draining)",
+        ("window", "queue_growth_per_min", "backlog_ratio", "min_samples"),
+        ("waiting", "running"),
+        True,
+        "instance:kvdiag_waiting:requests > 0 and ("
+        "deriv(instance:kvdiag_waiting:requests[{window}]) > {queue_growth_per_s}"
+        " or (instance:kvdiag_waiting:requests >= {backlog_ratio} * instance:kvdiag_running:requests"
+        " and deriv(instance:kvdiag_waiting:requests[{window}]) >= 0))",
+    ),
+    CheckSpec(
+        "evictions_growing",
+        "E",
+        "retract/preempt counter growing",
+        "the eviction (retract/preempt) counter rose by >= {min_evictions} over the window, reset-safe",
+        ("window", "min_evictions", "min_samples"),
+        ("evictions_total",),
+        True,
+        "instance:kvdiag_evictions:rate{window} * {window_seconds} >= {min_evictions}",
+    ),
+    CheckSpec(
+        "ttft_p99_high",
+        None,
+        "P99 TTFT above the SLO",
+        "the {ttft_quantile} quantile of TTFT over the window, from the histogram, > {ttft_slo} "
+        "(with >= {min_ttft_observations} first tokens)",
+        ("window", "ttft_slo", "ttft_quantile", "min_ttft_observations"),
+        ("ttft",),
+        False,
+        "instance:kvdiag_ttft_seconds:p99_{window} > {ttft_slo_seconds}"
+        " and instance:kvdiag_ttft_requests:increase{window} >= {min_ttft_observations}",
+    ),
+    CheckSpec(
+        "prefix_hit_high",
+        None,
+        "prefix-cache hit ratio high",
+        "hit tokens / queried tokens over the window, from counters, >= {prefix_hit_high}",
+        ("window", "prefix_hit_high"),
+        ("prefix_hit_tokens_total", "prefix_query_tokens_total"),
+        False,
+        "instance:kvdiag_prefix_hit:ratio{window} >= {prefix_hit_high}",
+    ),
+    CheckSpec(
+        "l2_underused",
+        None,
+        "L2 underused while L1 is saturated",
+        "L2 occupancy < {l2_low_occupancy} or L2 hits < {l2_low_hit_share} of queried tokens, "
+        "while kv_usage_saturated fires (only where an L2 tier is reported)",
+        ("window", "l2_low_occupancy", "l2_low_hit_share", "saturated_usage", "saturated_fraction"),
+        ("l2_capacity_tokens", "l2_used_tokens", "l2_hit_tokens_total", "usage_ratio"),
+        False,
+        "(instance:kvdiag_l2_usage:ratio < {l2_low_occupancy}"
+        " or instance:kvdiag_l2_hit:share{window} < {l2_low_hit_share}) and ({S})",
+    ),
+)
+
+DECISION_TABLE = (
+    Row(True, True, True, "l1_kv_bottleneck", "pool pinned, queue growing, requests recomputed: L1 caps concurrency and the queueing and recompute land in TTFT"),
+    Row(True, True, False, "l1_kv_pressure", "pool pinned and queue growing without evictions: admission is blocked on L1 before any recompute"),
+    Row(True, False, True, "l1_kv_pressure", "pool pinned and requests recomputed without a backlog yet"),
+    Row(False, True, True, "l1_kv_pressure", "evictions prove the pool ran out while the sampled usage gauge missed the peaks"),
+    Row(True, False, False, "near_kv_capacity", "pool pinned, but nobody waits and nothing is recomputed: at capacity, not yet limiting"),
+    Row(False, True, False, "queue_without_kv_pressure", "requests wait while the pool has room: the cap is the admission limit, the token budget or compute"),
+    Row(False, False, True, "healthy", "evictions alone, without a pinned pool or a queue (reported as the finding transient_evictions)"),
+    Row(False, False, False, "healthy", "no capacity signal fires"),
+)
+
+VERDICTS = {
+    v.name: v
+    for v in (
+        VerdictSpec("l1_kv_bottleneck", "critical", 2, "KvdiagL1KVPoolBottleneck",
+                    "The GPU KV pool (L1) caps concurrency; queueing and recompute drive TTFT up.",
+                    ("ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99")),
+        VerdictSpec("l1_kv_pressure", "warning", 1, "KvdiagL1KVPoolPressure",
+                    "The GPU KV pool (L1) is under pressure: two of the three bottleneck signals.",
+                    ("ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99")),
+        VerdictSpec("near_kv_capacity", "info", 0, "KvdiagKVPoolNearCapacity",
+                    "The KV pool is pinned near full but not yet limiting.",
+                    ("ceiling", "fp8_kv")),
+        VerdictSpec("queue_without_kv_pressure", "warning", 1, "KvdiagQueueWithoutKVPressure",
+                    "Requests queue while the KV pool has room: something other than L1 caps concurrency.",
+                    ("ceiling", "raise_admission")),
+        VerdictSpec("healthy", "none", 0, None, "No KV-pool capacity signal fires.", ()),
+        VerdictSpec("unknown", "warning", 3, "KvdiagEngineMetricsAbsent",
+                    "A signal the decision table needs is absent; the verdict cannot be decided.",
+                    ("decide_unknown",)),
+    )
+}
+
+FINDINGS = {
+    f.name: f
+    for f in (
+        FindingSpec("transient_evictions", "info", None,
+                    "Running requests were evicted and recomputed without a pinned pool or a queue.",
+                    all_of=("evictions_growing",), none_of=("kv_usage_saturated", "queue_growing"),
+                    remedies=("watch_evictions",)),
+        FindingSpec("concurrency_not_cache", "warning", "KvdiagCacheHealthyButTTFTBad",
+                    "Prefix-cache hit ratio is high and P99 TTFT is bad: the concurrency account, not the cache, is the problem.",
+                    all_of=("prefix_hit_high", "ttft_p99_high"), remedies=("l2_not_p99",)),
+        FindingSpec("l2_irrelevant_to_p99", "info", None,
+                    "L1 is the limit while L2 has room: L2 raises hit rate, it cannot raise concurrency.",
+                    all_of=("l2_underused",), verdicts=("l1_kv_bottleneck", "l1_kv_pressure"), remedies=("l2_not_p99",)),
+        FindingSpec("p99_high_without_kv_pressure", "warning", None,
+                    "P99 TTFT is above the SLO while the KV pool is fine: look at prefill compute.",
+                    all_of=("ttft_p99_high",), none_of=("kv_usage_saturated", "evictions_growing"), remedies=("prefill_compute",)),
+    )
+}
+
+REMEDIES = {
+    r.name: r
+    for r in (
+        RemedySpec("ceiling",
+                   "Concurrency ceiling: {pool_tokens:,} pool tokens / {avg_len:,} tokens per request (input + output) "
+                   "= {ceiling:,} concurrent requests; {running_peak:,} were running at the window's peak.",
+                   "Concurrency ceiling = pool tokens / average sequence length (input + output); compare it with the running count."),
+        RemedySpec("admission_limit",
+                   "Admission limit: {admission_limit} {ceiling} keeps the running requests' KV within the pool at the "
+                   "observed {avg_len:,} tokens per request, so requests queue instead of being evicted and recomputed.",
+                   "Admission limit: cap {admission_limit} at pool tokens / average sequence length, so requests queue "
+                   "instead of being evicted and recomputed."),
+        RemedySpec("fp8_kv",
+                   "FP8 KV cache ({kv_dtype_fp8}): half the bytes per token of a bf16/fp16 KV cache, about "
+                   "{fp8_pool_tokens:,} pool tokens and a ceiling of {fp8_ceiling:,} at the observed lengths.",
+                   "FP8 KV cache ({kv_dtype_fp8}): half the bytes per token of a bf16/fp16 KV cache, twice the tokens."),
+        RemedySpec("more_l1",
+                   "More L1: doubling tensor parallelism ({tensor_parallel}) at least doubles the pool per instance for "
+                   "GQA/MHA models with enough KV heads (ceiling >= {double_ceiling:,}; MLA latents do not shard); doubling "
+                   "data parallelism ({data_parallel}) adds a second pool of {pool_tokens:,} tokens.",
+                   "More L1: more tensor parallelism ({tensor_parallel}) or data parallelism ({data_parallel}); "
+                   "a smaller KV per token (MLA, sparse attention) does the same."),
+        RemedySpec("l2_not_p99",
+                   "L2 (host-memory KV tier, offloading, LMCache) raises the hit rate but cannot fix P99 here: admission "
+                   "counts L1 slots only, and an L2 hit needs L1 slots before its copy back.",
+                   "L2 (host-memory KV tier, offloading, LMCache) raises the hit rate but cannot fix P99 here: admission "
+                   "counts L1 slots only, and an L2 hit needs L1 slots before its copy back."),
+        RemedySpec("raise_admission",
+                   "The pool is not the cap: {running_peak:,} running at peak against a KV ceiling of {ceiling:,}; the "
+                   "limit is the admission cap ({admission_limit}), the token budget or compute. Raising "
+                   "{admission_limit} toward {ceiling:,} would use the room in the pool.",
+                   "The pool is not the cap: look at the admission cap ({admission_limit}), the token budget or compute."),
+        RemedySpec("prefill_compute",
+                   "P99 TTFT is high with the pool fine: look at prefill compute (prompt lengths, chunked-prefill size, "
+                   "the batch token budget), not at the KV cache.",
+                   "P99 TTFT is high with the pool fine: look at prefill compute (prompt lengths, chunked-prefill size, "
+                   "the batch token budget), not at the KV cache."),
+        RemedySpec("watch_evictions",
+                   "Evictions without a pinned pool: if they recur, cap {admission_limit} at {ceiling:,} (pool tokens / "
+                   "{avg_len:,} tokens per request).",
+                   "Evictions without a pinned pool: if they recur, cap {admission_limit} at pool tokens / average "
+                   "sequence length."),
+        RemedySpec("decide_unknown",
+                   "Get the signals the verdict needs: {unknown_hints}",
+                   "Get the signals the verdict needs: turn the engine's metrics on ({enable_hint}) and diagnose "
+                   "over a window of samples (a recording, --prometheus, or engine URLs with --duration), not one exposition."),
+    )
+}
+
+
+def check_spec(name: str) -> CheckSpec:
+    return next(c for c in CHECKS if c.name == name)
+
+
+def verdict_for(signals: tuple[bool, bool, bool]) -> Row:
+    """The decision-table row for (S, Q, E)."""
+    return _TABLE[signals]
+
+
+def check_expr(name: str, config: Config) -> str:
+    """A check's PromQL with the thresholds in force (other signals' expressions inlined)."""
+    params = dict(config.promql_params())
+    spec = check_spec(name)
+    if "{S}" in spec.promql:
+        params.update({sig: check_expr(check, config) for sig, check in SIGNALS.items()})
+    return spec.promql.format(**params)
+
+
+def verdict_expr(name: str, config: Config, checks: Mapping[str, str] | None = None) -> str | None:
+    """The alert expression of a verdict: its decision-table rows as ``and``/``unless``/``or``.
+
+    ``checks`` may map check names to expressions to use instead of the inline ones (e.g. the
+    names of recording rules that hold each check). ``unless`` reads an absent signal as "not
+    firing"; the ``unknown`` verdict is the rules' absent()-style guard and has no expression
+    here. Healthy raises no alert.
+    """
+    rows = [r for r in DECISION_TABLE if r.verdict == name]
+    if name in ("unknown", "healthy") or not rows:
+        return None
+    exprs = {sig: f"({_expr(check, config, checks)})" for sig, check in SIGNALS.items()}
+    terms = []
+    for row in rows:
+        on = [exprs[s] for s, v in zip(SIGNALS, row.signals) if v]
+        off = [exprs[s] for s, v in zip(SIGNALS, row.signals) if not v]
+        terms.append(" and ".join(on) + "".join(f" unless {x}" for x in off))
+    return " or ".join(f"({t})" for t in terms) if len(terms) > 1 else terms[0]
+
+
+def finding_expr(name: str, config: Config, checks: Mapping[str, str] | None = None) -> str:
+    """A finding's PromQL: its checks (and verdicts) combined as the Python evaluation does."""
+    spec = FINDINGS[name]
+    expr = " and ".join(f"({_expr(c, config, checks)})" for c in spec.all_of)
+    expr += "".join(f" unless ({_expr(c, config, checks)})" for c in spec.none_of)
+    if spec.verdicts:
+        expr = f"({expr}) and (" + " or ".join(f"({verdict_expr(v, config, checks)})" for v in spec.verdicts) + ")"
+    return expr
+
+
+def _expr(check: str, config: Config, checks: Mapping[str, str] | None) -> str:
+    return checks[check] if checks and check in checks else check_expr(check, config)
+
+
+def _build_table() -> dict[tuple[bool, bool, bool], Row]:
+    """Index the table, refusing a table with a missing or doubled combination."""
+    table: dict[tuple[bool, bool, bool], Row] = {}
+    for row in DECISION_TABLE:
+        if row.signals in table:
+            raise AssertionError(f"decision table answers {row.signals} twice")
+        if row.verdict not in VERDICTS:
+            raise AssertionError(f"decision table names unknown verdict {row.verdict}")
+        table[row.signals] = row
+    missing = [c for c in product((True, False), repeat=3) if c not in table]
+    if missing:
+        raise AssertionError(f"decision table has no answer for {missing}")
+    return table
+
+
+_TABLE = _build_table()

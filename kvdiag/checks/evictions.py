@@ -1,0 +1,50 @@
+"""evictions_growing (E): running requests thrown out of L1 and recomputed (retract/preempt).
+
+Read from the cumulative counter only, reset-safe (a restarted engine starts again from zero
+and the new value counts as evictions since the restart), never from the last-event gauge
+some versions export: that gauge holds the size of the most recent event and cannot be rated.
+A counter an engine only creates on first use arrives from the adapter as a derived zero.
+
+PromQL: ``increase(evictions_total[5m]) >= 1`` (the rules sum per-instance ``rate()``).
+"""
+
+from __future__ import annotations
+
+from kvdiag.checks.base import absent, needs_window, result, span, too_short
+from kvdiag.config import Config
+from kvdiag.model import CheckResult
+from kvdiag.window import Window, count_resets, counter_increase
+
+NAME = "evictions_growing"
+
+
+def evaluate(window: Window, config: Config) -> CheckResult:
+    ts, total = span(window, config, "evictions_total")
+    if len(total) == 0:
+        if window.has("last_eviction_event"):
+            return absent(
+                NAME,
+                window,
+                ("evictions_total",),
+                "only the last-event eviction gauge is reported; it holds the size of the most recent "
+                "event and cannot be rated, so growth is unknown",
+            )
+        return absent(NAME, window, ("evictions_total",))
+    if too_short(ts, config):
+        return needs_window(NAME, ts, config, {"evictions_total": float(total[-1])})
+    increase = counter_increase(total)
+    resets = count_resets(total)
+    minutes = (ts[-1] - ts[0]) / 60.0
+    values = {
+        "increase": increase,
+        "per_minute": increase / minutes if minutes > 0 else None,
+        "counter_first": float(total[0]),
+        "counter_last": float(total[-1]),
+        "resets": resets,
+        "threshold": config.min_evictions,
+        "source": window.last.provenance["evictions_total"].describe() if "evictions_total" in window.last.provenance else None,
+    }
+    summary = f"{increase:.0f} evictions (retract/preempt) in {ts[-1] - ts[0]:.0f}s"
+    if resets:
+        summary += f"; {resets} counter reset{'s' if resets > 1 else ''} (engine restart) handled"
+    return result(NAME, increase >= config.min_evictions, ts, values, summary)

@@ -1,0 +1,86 @@
+"""From check results to the verdict (the decision table) and the findings.
+
+Each capacity signal (S, Q, E) is firing, ok or unknown. The verdict is the table's row when
+all three are known. When some are unknown, every way of filling them in is tried: if all give
+the same verdict that is the answer (an idle engine without an eviction counter is still
+healthy), otherwise the verdict is ``unknown`` and says which signal would decide it.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import Mapping
+
+from kvdiag.checks.catalog import FINDINGS, SIGNALS, VERDICTS, verdict_for
+from kvdiag.config import Config
+from kvdiag.model import CheckResult, Finding, Verdict
+
+
+def decide(checks: Mapping[str, CheckResult], config: Config) -> Verdict:
+    status = {sig: checks[name].status for sig, name in SIGNALS.items()}
+    unknown = [sig for sig, st in status.items() if st == "unknown"]
+    choices = [(True, False) if st == "unknown" else (st == "firing",) for st in status.values()]
+    rows = {verdict_for(combo).verdict: verdict_for(combo) for combo in product(*choices)}
+    if len(rows) > 1:
+        by_reason: dict[str, list[str]] = {}
+        for sig in unknown:
+            by_reason.setdefault(_why(checks[SIGNALS[sig]]), []).append(SIGNALS[sig])
+        why = "; ".join(f"{' and '.join(names)} unknown ({reason})" for reason, names in by_reason.items())
+        return _verdict("unknown", f"{why}; the answer would be one of {', '.join(sorted(rows))}")
+    (row,) = rows.values()
+    fired = [SIGNALS[s] for s in SIGNALS if status[s] == "firing"]
+    reason = f"{row.meaning} [{', '.join(fired) or 'no capacity signal'} firing"
+    not_firing = [SIGNALS[s] for s in SIGNALS if status[s] == "ok"]
+    if fired and not_firing:
+        reason += f"; not firing: {', '.join(not_firing)}"
+    reason += "]"
+    if unknown:
+        reason += f"; {', '.join(SIGNALS[s] for s in unknown)} unknown, but the answer is the same either way"
+    return _verdict(row.verdict, reason + _usage_note(row.verdict, checks, config))
+
+
+def findings(verdict: Verdict, checks: Mapping[str, CheckResult]) -> list[Finding]:
+    """The catalog's findings whose conditions hold: all of its checks firing, the excluded
+    ones known not to fire, and (where it says) one of its verdicts."""
+    out = []
+    for spec in FINDINGS.values():
+        if spec.verdicts and verdict.name not in spec.verdicts:
+            continue
+        if all(checks[c].status == "firing" for c in spec.all_of) and all(checks[c].status == "ok" for c in spec.none_of):
+            out.append(Finding(spec.name, spec.severity, spec.alert, spec.summary))
+    return out
+
+
+def _verdict(name: str, reason: str) -> Verdict:
+    spec = VERDICTS[name]
+    return Verdict(name, spec.severity, spec.exit_code, spec.alert, reason)
+
+
+def _why(result: CheckResult) -> str:
+    return result.evidence.summary or ", ".join(result.missing)
+
+
+def _usage_note(verdict: str, checks: Mapping[str, CheckResult], config: Config) -> str:
+    """What the usage gauge says when the table's answer does not rest on it.
+
+    Queueing with usage high but not pinned: an admission that reserves room for the
+    running requests' future output and can refuse work below a pinned gauge. Pressure from
+    queue and evictions without S: a usage spike the sampled gauge caught only briefly.
+    """
+    s = checks[SIGNALS["S"]]
+    if s.status != "ok":
+        return ""
+    peak = s.evidence.values.get("usage_max")
+    if not isinstance(peak, float):
+        return ""
+    if verdict == "queue_without_kv_pressure" and peak >= config.high_usage:
+        ratio = checks[SIGNALS["Q"]].evidence.values.get("decode_reserve_ratio")
+        reserve = f" (this engine reports a reserve ratio of {ratio:.2f})" if isinstance(ratio, float) else ""
+        return (
+            f". Usage reached {peak:.2f} without being pinned (>= {config.high_usage:g}): admission that "
+            f"reserves KV for running requests' future output{reserve} can block below a pinned gauge"
+        )
+    if verdict == "l1_kv_pressure" and peak >= config.saturated_usage:
+        share = s.evidence.values.get("share_at_or_above")
+        return f". Usage touched {peak:.2f} but stayed >= {config.saturated_usage:g} in only {share:.0%} of samples: a short spike is pressure, not a pinned pool"
+    return ""

@@ -1,0 +1,170 @@
+"""``kvdiag diagnose``: is the GPU KV pool what caps concurrency? One answer per instance.
+
+Sources: engine URLs (sampled every ``--interval`` for ``--duration``), recordings
+(``--replay``), saved exposition files (point-in-time answers), or a Prometheus server
+(``--prometheus``, a past window through query_range). Whatever the source, samples go
+through the same adapters, windows and checks. Exit code: the worst verdict over instances
+(0 healthy / near capacity, 1 warning, 2 L1 bottleneck, 3 unknown or error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import Progress
+
+from kvdiag import config as cfg
+from kvdiag.checks import diagnose_all, exit_code, undiagnosable
+from kvdiag.engines import UnknownEngine, normalize_scrape
+from kvdiag.exposition import ExpositionError
+from kvdiag.model import PoolSample, Scrape
+from kvdiag.report import diagnosis as terminal
+from kvdiag.report.json import report_json
+from kvdiag.sources.inputs import is_url
+from kvdiag.sources.files import read_path
+from kvdiag.sources.prometheus import PrometheusError, read_window
+from kvdiag.sources.recording import RecordingError, read_recording
+from kvdiag.sources.scrape import ScrapeError, scrape
+from kvdiag.window import windows
+
+EXIT_ERROR = 3
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "diagnose",
+        help="verdict per instance: does the GPU KV pool (L1) cap concurrency and drive P99 TTFT?",
+        description="Exit code: 0 healthy or near capacity, 1 warning, 2 L1 bottleneck, 3 unknown or error (worst over instances).",
+    )
+    p.add_argument("inputs", nargs="*", metavar="URL|FILE", help="engine URL (sampled), saved exposition file, or recording")
+    p.add_argument("--replay", action="append", metavar="REC", help="a recording (.jsonl.gz) made by `kvdiag record`")
+    p.add_argument("--prometheus", metavar="URL", help="read a past window from this Prometheus server (query_range)")
+    p.add_argument("--selector", default="", metavar="'{job=\"...\"}'", help="label matchers for --prometheus")
+    p.add_argument("--since", default="1h", metavar="DURATION", help="how far back --prometheus reads (default 1h)")
+    p.add_argument("--step", metavar="DURATION", help="query_range step (default: about 720 points over --since)")
+    p.add_argument("--interval", default="5s", metavar="DURATION", help="seconds between scrapes of engine URLs (default 5s)")
+    p.add_argument("--duration", default="60s", metavar="DURATION", help="how long to sample engine URLs (default 60s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per request (s)")
+    p.add_argument("--engine", default="auto", choices=("auto", "sglang", "vllm"), help="expect this engine (default: detect)")
+    p.add_argument("--config", metavar="YAML", help="thresholds file (its 'checks:' section)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
+    p.add_argument("--window", metavar="DURATION", help="the checks' window (default 5m)")
+    p.add_argument("--ttft-slo", metavar="DURATION", help="the TTFT SLO (default 10s)")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while sampling")
+    return p
+
+
+@dataclass
+class Collected:
+    """Samples from all sources, and the targets that yielded none (with why)."""
+
+    samples: list[PoolSample] = field(default_factory=list)
+    problems: dict[str, str] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)  # targets that yielded samples
+    when: float = field(default_factory=time.time)
+
+    def add(self, s: Scrape, engine: str) -> None:
+        try:
+            self.samples.extend(normalize_scrape(s, engine))
+            self.answered.add(s.target)
+        except (UnknownEngine, ExpositionError) as exc:
+            self.problems.setdefault(s.target, str(exc))
+
+    def settle(self) -> None:
+        """A target that yielded samples at other moments is not a problem (a failed scrape
+        among good ones only thins its window)."""
+        self.problems = {t: why for t, why in self.problems.items() if t not in self.answered}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = _config(args)
+        collected = collect(args)
+    except (cfg.ConfigError, ValueError, OSError, RecordingError, PrometheusError) as exc:
+        print(f"kvdiag diagnose: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if collected is None:
+        return EXIT_ERROR
+    by_instance = windows(collected.samples)
+    diagnoses = diagnose_all(by_instance.values(), config)
+    diagnoses += [undiagnosable(t, why, collected.when) for t, why in collected.problems.items()]
+    code = exit_code(diagnoses)
+    if args.json:
+        print(json.dumps(report_json(diagnoses, code), indent=2))
+    else:
+        terminal.render(Console(), diagnoses)
+    if args.html:
+        from kvdiag.report.html import write_report
+
+        write_report(args.html, diagnoses, by_instance, config)
+        if not args.json:
+            print(f"wrote {args.html}", file=sys.stderr)
+    return code
+
+
+def collect(args: argparse.Namespace) -> Collected | None:
+    """Samples from whichever sources the arguments name; None after printing a usage error."""
+    if not (args.inputs or args.replay or args.prometheus):
+        print("kvdiag diagnose: give engine URLs, files, --replay REC or --prometheus URL", file=sys.stderr)
+        return None
+    out = Collected()
+    if args.prometheus:
+        res = read_window(
+            args.prometheus,
+            args.selector,
+            cfg.parse_duration(args.since),
+            cfg.parse_duration(args.step) if args.step else None,
+            engine=args.engine,
+            timeout=max(args.timeout, 30.0),
+        )
+        out.samples.extend(res.samples)
+        out.problems.update(res.problems)
+        out.when = res.end
+    for path in args.replay or []:
+        for s in read_recording(path):
+            out.add(s, args.engine)
+    urls = [a for a in args.inputs if is_url(a)]
+    for path in (a for a in args.inputs if not is_url(a)):
+        for s in read_path(path):
+            out.add(s, args.engine)
+    if urls:
+        sample_urls(urls, args, out)
+    out.settle()
+    return out
+
+
+def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> None:
+    """Scrape each URL every --interval for --duration (at least once), with a progress bar."""
+    interval, duration = cfg.parse_duration(args.interval), cfg.parse_duration(args.duration)
+    if interval <= 0:
+        raise ValueError("--interval must be > 0")
+    rounds = int(duration // interval) + 1
+    start = time.monotonic()
+    with Progress(disable=args.no_progress or args.json, transient=True) as progress:
+        task = progress.add_task(f"sampling {len(urls)} engine(s) every {interval:g}s", total=rounds)
+        for i in range(rounds):
+            for url in urls:
+                try:
+                    out.add(scrape(url, timeout=args.timeout), args.engine)
+                except ScrapeError as exc:
+                    out.problems.setdefault(url, str(exc))
+            progress.advance(task)
+            if i + 1 < rounds:
+                time.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
+
+
+def _config(args: argparse.Namespace) -> cfg.Config:
+    overrides = list(args.set)
+    if args.window:
+        overrides.append(f"window={args.window}")
+    if args.ttft_slo:
+        overrides.append(f"ttft_slo={args.ttft_slo}")
+    return cfg.resolve(args.config, overrides)
+

@@ -1,0 +1,203 @@
+"""The checklist's thresholds, windows and SLO: one YAML section, CLI overrides on top.
+
+Every number a check compares against lives here, with its default, so that `kvdiag explain`,
+the CLI, the exporter and the generated Prometheus rules all read the same values. The YAML
+file is shared with other commands (`kvdiag serve` keeps its targets in it): the thresholds
+sit under a top-level ``checks:`` key, e.g.::
+
+    checks:
+      window: 5m
+      saturated_usage: 0.95
+      ttft_slo: 10s
+
+A bad key or value is refused with the file, line and key at fault, never ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+SECTION = "checks"
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+class ConfigError(ValueError):
+    """A configuration the checks cannot run with; the message names where and why."""
+
+
+def _opt(default: float, kind: str, doc: str) -> Any:
+    """A config field: ``kind`` is duration | ratio | count | number (how it is parsed/checked)."""
+    return field(default=default, metadata={"kind": kind, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Config:
+    """Thresholds of the checklist (defaults from the issue; durations in seconds)."""
+
+    window: float = _opt(300.0, "duration", "span the checks look back over, ending at the newest sample")
+    saturated_usage: float = _opt(0.95, "ratio", "kv_usage_saturated: active KV usage counted as 'near 1'")
+    saturated_fraction: float = _opt(0.8, "ratio", "kv_usage_saturated: share of the window's samples at or above saturated_usage")
+    high_usage: float = _opt(0.7, "ratio", "queue_without_kv_pressure: usage this high without being pinned is named in the evidence")
+    queue_growth_per_min: float = _opt(0.0, "number", "queue_growing: the waiting queue's robust slope must exceed this (requests/minute)")
+    backlog_ratio: float = _opt(1.0, "number", "queue_growing: a backlog of waiting >= backlog_ratio x running that is not draining also fires")
+    min_samples: float = _opt(3, "count", "growth checks need at least this many samples in the window")
+    min_evictions: float = _opt(1, "count", "evictions_growing: retract/preempt increase over the window that fires")
+    ttft_slo: float = _opt(10.0, "duration", "ttft_p99_high: the TTFT SLO the quantile is compared with")
+    ttft_quantile: float = _opt(0.99, "ratio", "ttft_p99_high: the quantile estimated from the TTFT histogram")
+    min_ttft_observations: float = _opt(10, "count", "ttft_p99_high: first tokens needed in the window for a quantile (traffic floor)")
+    prefix_hit_high: float = _opt(0.5, "ratio", "prefix_hit_high: prefix-cache hit ratio (hit tokens / queried tokens) that counts as high")
+    l2_low_occupancy: float = _opt(0.5, "ratio", "l2_underused: L2 occupancy below this means L2 has room")
+    l2_low_hit_share: float = _opt(0.1, "ratio", "l2_underused: L2 hits below this share of prompt tokens means L2 barely helps")
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """(key, value as written in YAML, what it does) for every threshold, in order."""
+        return [(f.name, format_value(getattr(self, f.name), f.metadata["kind"]), f.metadata["doc"]) for f in fields(self)]
+
+    def promql_params(self) -> dict[str, str]:
+        """The thresholds as PromQL literals for the catalog's expression templates: durations
+        as range literals (``5m``) and, under ``<key>_seconds``, as numbers."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = format_value(v, f.metadata["kind"])
+            if f.metadata["kind"] == "duration":
+                out[f.name + "_seconds"] = format_value(v, "number")
+        out["queue_growth_per_s"] = format_value(self.queue_growth_per_min / 60.0, "number")
+        return out
+
+
+KEYS = {f.name: f for f in fields(Config)}
+
+
+def parse_duration(raw: Any) -> float:
+    """``300``, ``"300s"``, ``"5m"``, ``"1h"`` to seconds."""
+    if isinstance(raw, bool):
+        raise ValueError(f"{raw!r} is not a duration")
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    m = _DURATION_RE.match(str(raw))
+    if not m:
+        raise ValueError(f"{raw!r} is not a duration (e.g. 300, 90s, 5m, 1h)")
+    return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+
+
+def prom_duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration literal: the largest unit that divides it exactly."""
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and float(seconds) % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(round(seconds * 1000))}ms"
+
+
+def format_value(v: float, kind: str) -> str:
+    if kind == "duration":
+        return prom_duration(v)
+    if kind == "count":
+        return str(int(v))
+    return f"{v:g}"
+
+
+def parse_value(key: str, raw: Any) -> float:
+    """One value for ``key``, parsed and range-checked; ValueError says what is wrong."""
+    if key not in KEYS:
+        raise KeyError(f"unknown threshold {key!r}; known: {', '.join(KEYS)}")
+    kind = KEYS[key].metadata["kind"]
+    if kind == "duration":
+        v = parse_duration(raw)
+        if v <= 0:
+            raise ValueError(f"{raw!r} must be a positive duration")
+        return v
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ValueError(f"{raw!r} is not a number")
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a number") from None
+    if v != v:
+        raise ValueError("NaN is not allowed")
+    if kind == "ratio" and not 0.0 <= v <= 1.0:
+        raise ValueError(f"{v:g} is not a ratio between 0 and 1")
+    if kind == "count" and (v < 0 or v != int(v)):
+        raise ValueError(f"{v:g} is not a whole number >= 0")
+    return v
+
+
+def from_mapping(data: dict[str, Any], where: dict[str, str] | None = None, base: Config | None = None) -> Config:
+    """A Config from a plain mapping; ``where`` maps keys to 'file:line' for error messages."""
+    where = where or {}
+    values = {}
+    for key, raw in data.items():
+        loc = where.get(key, "")
+        prefix = f"{loc}: " if loc else ""
+        try:
+            values[key] = parse_value(str(key), raw)
+        except KeyError as exc:
+            raise ConfigError(f"{prefix}{SECTION}.{key}: {exc.args[0]}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}{SECTION}.{key}: {exc}") from None
+    return replace(base or Config(), **values)
+
+
+def load(path: str | Path) -> Config:
+    """Read the ``checks:`` section of a YAML file (other top-level sections belong to other
+    commands and are left to them)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if root is None:
+        return Config()
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{path}:{root.start_mark.line + 1}: the file must be a mapping with a '{SECTION}:' section")
+    for key_node, _ in root.value:
+        if key_node.value in KEYS:
+            raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {key_node.value!r} belongs under '{SECTION}:'")
+    section = next((v for k, v in root.value if k.value == SECTION), None)
+    if section is None:
+        return Config()
+    if not isinstance(section, yaml.MappingNode):
+        raise ConfigError(f"{path}:{section.start_mark.line + 1}: '{SECTION}' must be a mapping of threshold: value")
+    data: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for key_node, value_node in section.value:
+        key = key_node.value
+        if key in data:
+            raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {SECTION}.{key} is given twice")
+        where[key] = f"{path}:{key_node.start_mark.line + 1}"
+        if not isinstance(value_node, yaml.ScalarNode):
+            raise ConfigError(f"{where[key]}: {SECTION}.{key}: expected a single value")
+        data[key] = yaml.safe_load(yaml.serialize(value_node))
+    return from_mapping(data, where)
+
+
+def with_overrides(config: Config, assignments: Iterable[str]) -> Config:
+    """Apply ``key=value`` overrides from the command line (later ones win)."""
+    data: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        key = key.strip().replace("-", "_")
+        data[key] = raw.strip()
+        where[key] = f"--set {item}"
+    return from_mapping(data, where, base=config)
+
+
+def resolve(path: str | None, assignments: Iterable[str] = ()) -> Config:
+    """The config in force: defaults, then the file, then the command line."""
+    return with_overrides(load(path) if path else Config(), assignments)

@@ -1,0 +1,291 @@
+"""Every verdict and finding, on recordings rendered in both engines' dialects."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiag.checks import diagnose, exit_code, undiagnosable
+from kvdiag.config import Config
+from kvdiag.model import Diagnosis
+from kvdiag.refpool.emit import SGLANG_DIALECTS, VLLM_DIALECTS
+from tests.checks.scenario import const, ramp, recording, window
+
+ENGINES = ("sglang", "vllm")
+CFG = Config()
+
+
+def run(engine: str, **kw) -> Diagnosis:
+    return diagnose(window(recording(engine, **kw)), CFG)
+
+
+def statuses(d: Diagnosis) -> dict[str, str]:
+    return {name: c.status for name, c in d.checks.items()}
+
+
+def findings(d: Diagnosis) -> set[str]:
+    return {f.name for f in d.findings}
+
+
+BOTTLENECK = dict(usage=const(0.97), waiting=ramp(5, 1), running=const(48), evictions=const(1), ttft=const(20.0))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bottleneck_with_numbers_and_knobs(engine: str) -> None:
+    d = run(engine, **BOTTLENECK)
+    assert (d.verdict.name, d.verdict.severity, d.verdict.exit_code, d.verdict.alert) == (
+        "l1_kv_bottleneck", "critical", 2, "KvdiagL1KVPoolBottleneck",
+    )  # fmt: skip
+    s = statuses(d)
+    assert s["kv_usage_saturated"] == s["queue_growing"] == s["evictions_growing"] == "firing"
+    assert findings(d) == {"concurrency_not_cache"}  # hit ratio 0.8 and P99 ~20 s
+    ev = d.checks["evictions_growing"].evidence
+    assert ev.values["increase"] == 59 and ev.samples == 60 and ev.end - ev.start == 295
+    ttft = d.checks["ttft_p99_high"].evidence.values
+    assert (ttft["bucket_lower"], ttft["bucket_upper"]) == (10.0, 20.0) and 10 < ttft["estimate_seconds"] <= 20
+    # The ceiling: 200,000 pool tokens / (3,000 + 500) tokens per request.
+    assert d.figures["ceiling"] == 57 and d.figures["avg_len"] == 3500 and d.figures["running_peak"] == 48
+    limit = {"sglang": "--max-running-requests 57", "vllm": "--max-num-seqs 57"}[engine]
+    fp8 = {"sglang": "--kv-cache-dtype fp8_e4m3", "vllm": "--kv-cache-dtype fp8"}[engine]
+    text = "\n".join(d.remedies)
+    assert limit in text and fp8 in text and "400,000 pool tokens" in text and "ceiling of 114" in text
+    assert "cannot fix P99" in text
+
+
+@pytest.mark.parametrize(
+    ("engine", "dialect"),
+    [("sglang", d) for d in SGLANG_DIALECTS if d != "0.5.3"] + [("vllm", d) for d in VLLM_DIALECTS],
+)
+def test_bottleneck_in_every_dialect_with_a_counter(engine: str, dialect: str) -> None:
+    """SGLang 0.4.10 has the cumulative retraction gauge, 0.5.7+ the counter; every vLLM has
+    the preemption counter. (0.5.3 has only the last-event gauge: see the unknown tests.)"""
+    d = run(engine, dialect=dialect, **BOTTLENECK)
+    assert d.verdict.name == "l1_kv_bottleneck", d.verdict.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bottleneck_escaped_openmetrics_and_tp_ranks(engine: str) -> None:
+    d = run(engine, openmetrics=True, escape=True, tp=2 if engine == "sglang" else 1, **BOTTLENECK)
+    assert d.verdict.name == "l1_kv_bottleneck"
+    assert d.checks["evictions_growing"].evidence.values["increase"] == 59  # TP ranks not double-counted
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("kw", "missing"),
+    [
+        (dict(usage=const(0.97), waiting=ramp(1, 1), running=const(48)), "evictions_growing"),
+        (dict(usage=const(0.97), waiting=const(0), running=const(48), evictions=const(1)), "queue_growing"),
+    ],
+)
+def test_pressure_names_the_missing_signal(engine: str, kw: dict, missing: str) -> None:
+    d = run(engine, **kw)
+    assert (d.verdict.name, d.verdict.exit_code, d.verdict.alert) == ("l1_kv_pressure", 1, "KvdiagL1KVPoolPressure")
+    assert f"not firing: {missing}" in d.verdict.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_short_spike_at_the_end_is_pressure_not_a_pinned_pool(engine: str) -> None:
+    usage = lambda i: 0.97 if i >= 57 else 0.6  # noqa: E731
+    d = run(engine, usage=usage, waiting=ramp(1, 1), running=const(48), evictions=const(1))
+    assert d.checks["kv_usage_saturated"].status == "ok"
+    assert "spike at the end" in d.checks["kv_usage_saturated"].evidence.summary
+    assert d.verdict.name == "l1_kv_pressure"
+    assert "not firing: kv_usage_saturated" in d.verdict.reason and "short spike is pressure" in d.verdict.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_near_capacity(engine: str) -> None:
+    d = run(engine, usage=const(0.97), waiting=const(0), running=const(30))
+    assert (d.verdict.name, d.verdict.severity, d.verdict.exit_code, d.verdict.alert) == (
+        "near_kv_capacity", "info", 0, "KvdiagKVPoolNearCapacity",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_queue_without_kv_pressure_names_high_usage(engine: str) -> None:
+    d = run(engine, usage=const(0.8), waiting=ramp(1, 0.5), running=const(64))
+    assert (d.verdict.name, d.verdict.exit_code, d.verdict.alert) == ("queue_without_kv_pressure", 1, "KvdiagQueueWithoutKVPressure")
+    assert "without being pinned" in d.verdict.reason
+    if engine == "sglang":  # SGLang exports its reservation ratio (new_token_ratio)
+        assert "reserve ratio of 0.70" in d.verdict.reason
+    assert any("The pool is not the cap" in r for r in d.remedies)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_queue_without_kv_pressure_low_usage_has_no_usage_note(engine: str) -> None:
+    d = run(engine, usage=const(0.3), waiting=ramp(1, 0.5), running=const(64))
+    assert d.verdict.name == "queue_without_kv_pressure" and "without being pinned" not in d.verdict.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_backlog_not_draining_is_a_growing_queue(engine: str) -> None:
+    """A flat queue as long as the running batch: admission is not keeping up."""
+    d = run(engine, usage=const(0.3), waiting=const(40), running=const(32))
+    q = d.checks["queue_growing"]
+    assert q.status == "firing" and q.evidence.values["backlog_not_draining"] is True
+    assert q.evidence.values["slope_per_min"] == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_draining_queue_does_not_fire(engine: str) -> None:
+    d = run(engine, usage=const(0.3), waiting=ramp(80, -1), running=const(32))
+    assert d.checks["queue_growing"].status == "ok" and d.verdict.name == "healthy"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_healthy(engine: str) -> None:
+    d = run(engine)
+    assert (d.verdict.name, d.verdict.exit_code, d.verdict.alert, d.findings) == ("healthy", 0, None, [])
+    assert d.remedies == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_transient_evictions_finding(engine: str) -> None:
+    d = run(engine, evictions=lambda i: 1 if i % 20 == 5 else 0)
+    assert d.verdict.name == "healthy" and findings(d) == {"transient_evictions"}
+    assert any("if they recur" in r for r in d.remedies)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_p99_high_without_kv_pressure(engine: str) -> None:
+    d = run(engine, ttft=const(15.0), hit=0.1)
+    assert d.verdict.name == "healthy" and findings(d) == {"p99_high_without_kv_pressure"}
+    assert any("prefill compute" in r for r in d.remedies)
+
+
+def test_l2_irrelevant_to_p99_where_l2_has_room() -> None:
+    """SGLang with HiCache: L1 pinned, L2 at 5 % occupancy."""
+    d = run("sglang", l2_capacity=400_000, l2_used=const(20_000), l2_hit=0.01, **BOTTLENECK)
+    l2 = d.checks["l2_underused"]
+    assert l2.status == "firing" and l2.evidence.values["l2_occupancy"] == pytest.approx(0.05)
+    assert findings(d) == {"concurrency_not_cache", "l2_irrelevant_to_p99"}
+
+
+def test_l2_in_use_is_not_underused() -> None:
+    d = run("sglang", l2_capacity=400_000, l2_used=const(360_000), l2_hit=0.3, **BOTTLENECK)
+    assert d.checks["l2_underused"].status == "ok" and "l2_irrelevant_to_p99" not in findings(d)
+
+
+def test_vllm_l2_from_host_hits() -> None:
+    """vLLM exports no L2 occupancy; host-tier hits (cached_by_source) say an L2 exists."""
+    d = run("vllm", l2_hit=0.02, **BOTTLENECK)
+    l2 = d.checks["l2_underused"]
+    assert l2.status == "firing" and l2.evidence.values["l2_hit_share"] == pytest.approx(0.02, abs=1e-3)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_no_l2_is_unknown_not_ok(engine: str) -> None:
+    l2 = run(engine, **BOTTLENECK).checks["l2_underused"]
+    assert l2.status == "unknown" and "no L2 tier reported" in l2.evidence.summary
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_restart_mid_window_yields_no_false_evictions(engine: str) -> None:
+    d = run(engine, restart_at=30, usage=const(0.5))
+    e = d.checks["evictions_growing"]
+    assert e.status == "ok" and e.evidence.values["increase"] == 0
+    ttft = d.checks["ttft_p99_high"]
+    assert ttft.status == "ok" and ttft.evidence.values["observations"] == 20 * 59  # reset-safe histogram
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_restart_mid_window_counts_evictions_on_both_sides(engine: str) -> None:
+    d = run(engine, restart_at=30, evictions=const(2))
+    e = d.checks["evictions_growing"].evidence
+    assert e.values["increase"] == 2 * 59  # every interval's 2, none lost or doubled at the reset
+    if engine == "vllm":
+        assert e.values["resets"] == 1 and "reset" in e.summary
+
+
+def test_old_sglang_last_event_gauge_only_is_unknown() -> None:
+    """SGLang 0.5.3 exports retractions only as the last-event gauge: growth is never rated."""
+    d = run("sglang", dialect="0.5.3", usage=const(0.97), waiting=const(0), evictions=const(3))
+    e = d.checks["evictions_growing"]
+    assert e.status == "unknown" and e.missing == ("evictions_total",)
+    assert "last-event" in e.evidence.summary and "0.5.7" in e.hint
+    assert d.verdict.name == "unknown" and d.verdict.exit_code == 3 and d.verdict.alert == "KvdiagEngineMetricsAbsent"
+    assert "near_kv_capacity" in d.verdict.reason and "l1_kv_pressure" in d.verdict.reason
+    assert any("0.5.7" in r for r in d.remedies)
+
+
+def test_unknown_signal_that_cannot_change_the_answer_still_decides() -> None:
+    """Idle old SGLang: S and Q do not fire, so E cannot change 'healthy'."""
+    d = run("sglang", dialect="0.5.3")
+    assert d.verdict.name == "healthy" and "same either way" in d.verdict.reason
+
+
+def test_sglang_counter_not_yet_created_is_zero_not_unknown() -> None:
+    d = run("sglang")  # 0.5.23 renders no retraction counter until the first retraction
+    e = d.checks["evictions_growing"]
+    assert e.status == "ok" and "not created until the first retraction" in e.evidence.values["source"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_single_exposition_gives_point_in_time_answers(engine: str) -> None:
+    d = diagnose(window(recording(engine, steps=1, **BOTTLENECK)), CFG)
+    s = statuses(d)
+    assert s["kv_usage_saturated"] == "firing" and s["prefix_hit_high"] == "firing" and s["ttft_p99_high"] == "firing"
+    for growth in ("queue_growing", "evictions_growing"):
+        c = d.checks[growth]
+        assert c.status == "unknown" and "needs a window" in c.evidence.summary and c.missing == ("window",)
+    assert d.checks["ttft_p99_high"].evidence.values["basis"] == "lifetime"
+    assert d.verdict.name == "unknown" and d.samples == 1
+    assert any("recording" in r for r in d.remedies)
+
+
+def test_ttft_above_the_last_finite_bucket_fires() -> None:
+    """vLLM V0 0.6/0.7 buckets stop at 10 s: a P99 of 30 s reads as 'above 10 s', which is
+    above an SLO of 10 s although the estimate itself is the bound."""
+    d = run("vllm", dialect="0.6", ttft=const(30.0))
+    t = d.checks["ttft_p99_high"]
+    assert t.status == "firing" and t.evidence.values["bucket_upper"] is None and t.evidence.values["estimate_seconds"] == 10.0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_idle_engine_is_below_the_traffic_floor(engine: str) -> None:
+    d = run(engine, requests=0, usage=const(0.0), running=const(0))
+    t = d.checks["ttft_p99_high"]
+    assert t.status == "ok" and t.evidence.values["observations"] == 0 and "traffic floor" in t.evidence.summary
+    p = d.checks["prefix_hit_high"]
+    assert p.status == "ok" and p.evidence.values["hit_ratio"] is None
+    assert d.verdict.name == "healthy"
+
+
+def test_vllm_v0_hit_rate_gauge_fallback() -> None:
+    d = run("vllm", dialect="0.6", hit=0.7)
+    p = d.checks["prefix_hit_high"]
+    assert p.status == "firing" and p.evidence.values["basis"] == "gauge"
+
+
+def test_exit_code_is_the_worst_over_instances() -> None:
+    healthy = run("vllm")
+    pressure = run("vllm", usage=const(0.97), waiting=ramp(1, 1))
+    bottleneck = run("sglang", **BOTTLENECK)
+    unknown = undiagnosable("http://x", "not an engine", 0.0)
+    assert exit_code([healthy]) == 0
+    assert exit_code([healthy, pressure]) == 1
+    assert exit_code([healthy, pressure, unknown]) == 3
+    assert exit_code([unknown, bottleneck, pressure]) == 2
+    assert exit_code([]) == 3
+
+
+@pytest.mark.parametrize(("engine", "hint"), [("sglang", "--enable-metrics"), ("vllm", "--disable-log-stats")])
+def test_absent_usage_is_unknown_with_the_reason_and_the_enable_hint(engine: str, hint: str) -> None:
+    """Samples built directly: an instance that reports its queue but no pool usage."""
+    from kvdiag.model import PoolSample, Provenance
+    from kvdiag.window import Window
+
+    samples = []
+    for i in range(12):
+        s = PoolSample("http://h:1", engine, 1000.0 + 5 * i)
+        s.set("waiting", 0.0, Provenance("waiting"))
+        s.set("running", 4.0, Provenance("running"))
+        s.set("evictions_total", 0.0, Provenance("evictions"))
+        samples.append(s)
+    d = diagnose(Window("http://h:1", samples), CFG)
+    sat = d.checks["kv_usage_saturated"]
+    assert sat.status == "unknown" and sat.missing == ("usage_ratio",) and hint in sat.hint
+    assert "usage_ratio not reported" in sat.evidence.summary
+    assert d.verdict.name == "unknown" and "kv_usage_saturated unknown" in d.verdict.reason
+    assert any(hint in r for r in d.remedies)
+    assert d.checks["ttft_p99_high"].status == "unknown" and d.checks["ttft_p99_high"].missing == ("ttft",)

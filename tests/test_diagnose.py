@@ -1,0 +1,132 @@
+"""`kvdiag diagnose`: sources, the --json shape, exit codes, the terminal report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdiag import cli
+from kvdiag.refpool.emit import content_type
+from kvdiag.sources.recording import write_recording
+from tests.checks.scenario import const, ramp, recording
+from tests.conftest import Responder, shared_fixture
+
+BOTTLENECK = dict(usage=const(0.97), waiting=ramp(5, 1), running=const(48), evictions=const(1), ttft=const(20.0))
+
+
+def rec(tmp_path: Path, name: str, engine: str = "sglang", **kw) -> str:
+    path = tmp_path / f"{name}.jsonl.gz"
+    write_recording(path, recording(engine, **kw))
+    return str(path)
+
+
+def diagnose_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    code = cli.main(["diagnose", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_json_shape_and_exit_code_for_a_bottleneck(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = diagnose_json(capsys, "--replay", rec(tmp_path, "b", **BOTTLENECK))
+    assert code == 2 and out["exit_code"] == 2
+    (inst,) = out["instances"]
+    assert {"instance", "engine", "verdict", "findings", "checks", "remedies"} <= set(inst)
+    assert (inst["engine"], inst["verdict"], inst["findings"]) == ("sglang", "l1_kv_bottleneck", ["concurrency_not_cache"])
+    assert isinstance(inst["instance"], str) and all(isinstance(r, str) for r in inst["remedies"])
+    assert set(inst["checks"]) == {"kv_usage_saturated", "queue_growing", "evictions_growing", "ttft_p99_high", "prefix_hit_high", "l2_underused"}
+    for check in inst["checks"].values():
+        assert check["status"] in ("firing", "ok", "unknown") and isinstance(check["evidence"], dict)
+    ev = inst["checks"]["evictions_growing"]["evidence"]
+    assert ev["increase"] == 59 and ev["span"]["seconds"] == 295 and ev["span"]["samples"] == 60
+    assert inst["checks"]["l2_underused"]["missing"] == ["l2_capacity_tokens", "l2_hit_tokens_total"]
+    assert inst["figures"]["ceiling"] == 57 and inst["window"]["samples"] == 60
+
+
+@pytest.mark.parametrize(
+    ("kw", "code", "verdict"),
+    [
+        ({}, 0, "healthy"),
+        (dict(usage=const(0.97)), 0, "near_kv_capacity"),
+        (dict(usage=const(0.97), waiting=ramp(1, 1)), 1, "l1_kv_pressure"),
+        (dict(waiting=ramp(1, 1)), 1, "queue_without_kv_pressure"),
+        (BOTTLENECK, 2, "l1_kv_bottleneck"),
+        (dict(dialect="0.5.3", usage=const(0.97)), 3, "unknown"),
+    ],
+)
+def test_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str], kw: dict, code: int, verdict: str) -> None:
+    got, out = diagnose_json(capsys, "--replay", rec(tmp_path, "r", "sglang", **kw))
+    assert (got, out["instances"][0]["verdict"]) == (code, verdict)
+
+
+def test_worst_over_instances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    healthy = tmp_path / "h.jsonl.gz"
+    scrapes = recording("vllm")
+    for s in scrapes:
+        s.target = "http://10.9.9.9:8000"
+    write_recording(healthy, scrapes)
+    code, out = diagnose_json(capsys, "--replay", str(healthy), "--replay", rec(tmp_path, "p", usage=const(0.97), waiting=ramp(1, 1)))
+    assert code == 1 and sorted(i["verdict"] for i in out["instances"]) == ["healthy", "l1_kv_pressure"]
+
+
+def test_window_and_slo_flags_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = rec(tmp_path, "t", ttft=const(3.0))
+    _, out = diagnose_json(capsys, "--replay", path)
+    assert out["instances"][0]["checks"]["ttft_p99_high"]["status"] == "ok"
+    _, out = diagnose_json(capsys, "--replay", path, "--ttft-slo", "2s", "--window", "1m")
+    inst = out["instances"][0]
+    assert inst["checks"]["ttft_p99_high"]["status"] == "firing" and inst["window"]["samples"] == 13
+    assert "p99_high_without_kv_pressure" in inst["findings"]
+
+
+def test_single_exposition_file(capsys: pytest.CaptureFixture[str]) -> None:
+    path = shared_fixture("sglang-0.5.23-midload.prom")
+    code, out = diagnose_json(capsys, str(path))
+    (inst,) = out["instances"]
+    assert code == 3 and inst["verdict"] == "unknown"
+    checks = inst["checks"]
+    assert checks["kv_usage_saturated"]["status"] == "firing" and checks["ttft_p99_high"]["status"] == "firing"
+    assert checks["queue_growing"]["status"] == "unknown" and "needs a window" in checks["queue_growing"]["evidence"]["summary"]
+    assert "concurrency_not_cache" in inst["findings"]
+
+
+def test_not_an_engine_is_unknown_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "node.prom"
+    f.write_text("# TYPE node_load1 gauge\nnode_load1 0.5\n")
+    code, out = diagnose_json(capsys, str(f))
+    (inst,) = out["instances"]
+    assert code == 3 and inst["verdict"] == "unknown" and inst["engine"] == "unknown"
+    assert "--enable-metrics" in inst["reason"] and "--disable-log-stats" in inst["reason"]
+    assert all(c["status"] == "unknown" for c in inst["checks"].values())
+
+
+def test_sampling_engine_urls(http_server, capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine on loopback whose queue grows between scrapes."""
+    bodies = itertools.cycle([s.body for s in recording("vllm", steps=40, **BOTTLENECK)])
+    url = http_server(Responder(lambda path, headers: (200, {"Content-Type": content_type(False)}, next(bodies).encode())))
+    code, out = diagnose_json(capsys, url, "--interval", "0.2", "--duration", "0.8", "--no-progress")
+    (inst,) = out["instances"]
+    assert inst["engine"] == "vllm" and inst["window"]["samples"] == 5
+    assert inst["checks"]["queue_growing"]["status"] == "firing" and inst["checks"]["evictions_growing"]["status"] == "firing"
+    assert code == 2
+
+
+def test_unreachable_url_is_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = diagnose_json(capsys, "http://127.0.0.1:9/metrics", "--duration", "0", "--timeout", "1")
+    assert code == 3 and "127.0.0.1:9" in out["instances"][0]["reason"]
+
+
+def test_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "220")
+    assert cli.main(["diagnose", "--replay", rec(tmp_path, "b", "vllm", **BOTTLENECK)]) == 2
+    out = capsys.readouterr().out
+    for needle in ("l1_kv_bottleneck", "evictions_growing", "59 evictions", "--max-num-seqs 57", "concurrency_not_cache", "60 samples"):
+        assert needle in out
+
+
+def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["diagnose"]) == 3
+    assert "give engine URLs" in capsys.readouterr().err
+    assert cli.main(["diagnose", "--replay", rec(tmp_path, "x"), "--set", "window=never"]) == 3
+    assert "checks.window" in capsys.readouterr().err
