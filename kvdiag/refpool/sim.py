@@ -1,0 +1,359 @@
+"""Discrete-event loop of one engine instance, with ground truth and the engine's exposition.
+
+Every verdict kvdiag gives needs a case where the truth is known. This loop drives either
+reference scheduler through ``types.EngineScheduler`` only: requests arrive from a workload,
+``schedule`` plans an iteration, the roofline gives its duration, ``update_from_output`` ends it.
+What the simulator knows and no metric shows is recorded as ground truth: per request (TTFT,
+queue time, evictions, recomputed tokens) and per step (was admission blocked on L1, how many
+requests were evicted, the true pool usage). An ``EngineMetrics`` hook turns the scheduler's own
+``stats()`` into an ``emit.EngineState`` at the engine's update cadence, so ``exposition()``
+shows what a scrape of the real engine would show at that simulated moment.
+
+A live server advances ``run_until(t)`` in step with wall time × speed and renders
+``exposition()`` between calls (both hold ``lock``); ``restart()`` replaces the engine by a
+fresh process, whose counters start again from zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from dataclasses import dataclass, field, fields
+from typing import Callable, Iterable, Iterator, Protocol
+
+import numpy as np
+
+from kvdiag.refpool import emit
+from kvdiag.refpool.emit import EngineState
+from kvdiag.refpool.sglang.scheduler import SGLangScheduler
+from kvdiag.refpool.types import EngineScheduler, SimRequest, StepPlan
+from kvdiag.refpool.vllm.scheduler import VLLMScheduler
+
+EPOCH = 1_795_952_340.0  # simulated t = 0 as a Unix time, for _created series and recordings
+
+
+# ------------------------------------------------------------------ ground truth records
+@dataclass
+class RequestRecord:
+    """One request's ground truth, kept after its tokens are dropped (long runs stay small)."""
+
+    rid: str
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None  # None: lost in a restart
+    prompt_tokens: int
+    output_tokens: int
+    evictions: int
+    recomputed_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+
+    @classmethod
+    def of(cls, r: SimRequest) -> RequestRecord:
+        return cls(
+            r.rid, r.arrival, r.first_scheduled, r.first_token, r.finished, len(r.prompt), len(r.output),
+            r.evictions, r.recomputed_tokens, r.device_hit_tokens, r.host_hit_tokens,
+        )  # fmt: skip
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+
+def _column(typecode: str) -> array:
+    return field(default_factory=lambda: array(typecode))
+
+
+@dataclass
+class StepLog:
+    """Per-iteration ground truth, stored in typed columns (8 bytes or less per value) so
+    hour-long runs at a hundred steps a second stay small."""
+
+    start: array = _column("d")
+    duration: array = _column("d")
+    prefill: array = _column("b")  # the step ran at least one prefill chunk
+    batch: array = _column("q")  # requests in the step
+    new_tokens: array = _column("q")
+    blocked_on_kv: array = _column("b")  # a waiting request was refused for lack of KV
+    blocked_other: array = _column("b")  # ... for another cap (sequences, token budget)
+    evicted: array = _column("q")  # retracted / preempted this step
+    running: array = _column("q")  # after the step
+    waiting: array = _column("q")
+    usage: array = _column("d")  # true used / capacity after the step
+    evictable: array = _column("d")  # true evictable / capacity
+    loaded_tokens: array = _column("q")  # L2 -> L1
+    stored_tokens: array = _column("q")  # L1 -> L2
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Copies of the columns as numpy arrays (flags as bool), for slicing by time."""
+        out = {}
+        for f in fields(self):
+            col = getattr(self, f.name)
+            out[f.name] = np.array(col, dtype=bool if col.typecode == "b" else col.typecode)
+        return out
+
+
+# ------------------------------------------------------------------ metrics hook
+@dataclass(frozen=True)
+class PoolTruth:
+    """The pool as it really is after a step (every engine's usage gauge is derived from it)."""
+
+    capacity_tokens: int
+    used_tokens: int  # held by requests
+    evictable_tokens: int  # cached, unreferenced (0 where the engine cannot tell, see adapters)
+    running: int
+    waiting: int
+
+
+class EngineMetrics(Protocol):
+    """Keeps one ``EngineState`` as the engine would export it, from the scheduler's stats."""
+
+    engine: str  # "sglang" | "vllm": which exposition ``emit.render`` writes
+    state: EngineState
+
+    def on_step(self) -> PoolTruth:
+        """Called after every iteration: refresh what the engine refreshes now; return the truth."""
+        ...
+
+
+MetricsFactory = Callable[[EngineScheduler, float], EngineMetrics]  # (scheduler, created) -> hook
+
+
+class SGLangMetrics:
+    """SGLang's cadence: scheduler gauges only when a prefill batch is formed, every
+    ``decode_log_interval`` decode steps and when idle (the scheduler's ``take_report``);
+    counters and histograms as they happen."""
+
+    engine = "sglang"
+
+    def __init__(self, scheduler: SGLangScheduler, created: float) -> None:
+        self.scheduler = scheduler
+        st = scheduler.stats()
+        self.state = EngineState(
+            capacity_tokens=st.max_total_num_tokens, l2_capacity_tokens=st.hicache_host_total_tokens, created=created
+        )
+
+    def on_step(self) -> PoolTruth:
+        sched, s = self.scheduler, self.state
+        st = sched.stats()
+        s.evictions_total = st.num_retracted_requests_total
+        s.prefix_hit_tokens_total = st.cached_tokens_device_total
+        s.l2_hit_tokens_total = st.cached_tokens_host_total
+        s.prompt_tokens_total = st.prompt_tokens_total
+        s.generation_tokens_total = st.generation_tokens_total
+        s.requests_total = st.num_requests_total
+        report = sched.take_report()
+        if report is None and not sched.has_work():
+            report = st  # idle publish: the gauges drain to zero
+        if report is not None:
+            s.used_tokens = report.kv_used_tokens
+            s.evictable_tokens = report.kv_evictable_tokens
+            s.running = report.num_running_reqs
+            s.waiting = report.num_queue_reqs
+            s.new_token_ratio = report.new_token_ratio
+            s.last_eviction_event = report.num_retracted_reqs
+            s.l2_used_tokens = report.hicache_host_used_tokens or 0
+        return PoolTruth(st.max_total_num_tokens, st.kv_used_tokens, st.kv_evictable_tokens, st.num_running_reqs, st.num_queue_reqs)
+
+
+class VLLMMetrics:
+    """vLLM's cadence: every engine step (``make_stats``). The pool is counted in blocks with
+    the null block excluded, and cached unreferenced blocks count as free: usage is
+    ``1 − free/(N − 1)``, and the evictable part is not reported (0 here, never invented)."""
+
+    engine = "vllm"
+
+    def __init__(self, scheduler: VLLMScheduler, created: float) -> None:
+        self.scheduler = scheduler
+        st = scheduler.stats()
+        bs = st.block_size
+        self.state = EngineState(
+            capacity_tokens=(st.num_gpu_blocks - 1) * bs,
+            block_size=bs,
+            l2_capacity_tokens=st.cpu_offload_total_blocks * bs if st.cpu_offload_total_blocks else None,
+            created=created,
+        )
+
+    def on_step(self) -> PoolTruth:
+        st, s = self.scheduler.stats(), self.state
+        bs = st.block_size
+        s.used_tokens = (st.num_gpu_blocks - 1 - st.num_free_blocks) * bs
+        s.running = st.num_requests_running
+        s.waiting = st.num_requests_waiting
+        s.evictions_total = st.num_preemptions_total
+        s.prefix_hit_tokens_total = st.prefix_cache_hits_total
+        s.prompt_tokens_total = st.prompt_tokens_total
+        s.generation_tokens_total = st.generation_tokens_total
+        s.requests_total = sum(st.request_success_total.values())
+        s.l2_used_tokens = st.cpu_offload_used_blocks * bs
+        s.l2_hit_tokens_total = st.external_prefix_cache_hits_total
+        return PoolTruth(s.capacity_tokens, s.used_tokens, 0, s.running, s.waiting)
+
+
+def default_metrics(scheduler: EngineScheduler, created: float) -> EngineMetrics:
+    """The adapter for a reference scheduler, by its type."""
+    if isinstance(scheduler, SGLangScheduler):
+        return SGLangMetrics(scheduler, created)
+    if isinstance(scheduler, VLLMScheduler):
+        return VLLMMetrics(scheduler, created)
+    raise TypeError(f"no metrics adapter for {type(scheduler).__name__}; pass metrics=")
+
+
+# ------------------------------------------------------------------ the loop
+class Simulation:
+    """One engine instance under one workload, advanced in simulated seconds.
+
+    ``make_scheduler`` builds a fresh engine (at start and on ``restart``); ``step_time`` maps a
+    plan to seconds (``roofline.Roofline.step_time``); ``requests`` is any arrival-ordered
+    iterable (``workload.Workload.requests()``), consumed lazily.
+    """
+
+    def __init__(
+        self,
+        make_scheduler: Callable[[], EngineScheduler],
+        requests: Iterable[SimRequest],
+        step_time: Callable[[StepPlan], float],
+        metrics: MetricsFactory = default_metrics,
+        epoch: float = EPOCH,
+        record_steps: bool = True,
+    ) -> None:
+        self.make_scheduler = make_scheduler
+        self.step_time = step_time
+        self.metrics_factory = metrics
+        self.epoch = epoch
+        self.record_steps = record_steps
+        self.now = 0.0
+        self.steps = StepLog()
+        self.records: list[RequestRecord] = []
+        self.restarts: list[float] = []
+        self.lock = threading.Lock()
+        self._arrivals: Iterator[SimRequest] = iter(requests)
+        self._next: SimRequest | None = next(self._arrivals, None)
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        self.scheduler = self.make_scheduler()
+        self.metrics = self.metrics_factory(self.scheduler, self.epoch + self.now)
+        self._live: dict[SimRequest, None] = {}  # admitted, unfinished (ordered, for restart)
+        self._unscheduled: set[SimRequest] = set()  # queue time not yet observed
+        self._no_token: set[SimRequest] = set()  # TTFT not yet observed
+
+    # -------------------------------------------------------------- driving
+    def run_until(self, t: float) -> None:
+        """Advance to simulated time ``t``. A step that starts before ``t`` runs to its end (an
+        engine iteration is atomic), so ``now`` may pass ``t`` by less than one step."""
+        with self.lock:
+            while True:
+                self._admit_arrivals()
+                if self.now >= t:
+                    return
+                if not self.scheduler.has_work():
+                    self._idle_until(t)
+                    continue
+                plan = self.scheduler.schedule(self.now)
+                if plan.idle:  # work exists but nothing can run (e.g. waiting on a transfer)
+                    self._finish_step(plan, self.now, 0.0)
+                    self._idle_until(t)
+                    continue
+                self._finish_step(plan, self.now, self.step_time(plan))
+
+    def run(self, duration: float) -> Simulation:
+        """Run ``duration`` more simulated seconds; returns self for chaining."""
+        self.run_until(self.now + duration)
+        return self
+
+    def restart(self) -> None:
+        """The engine process dies and a new one starts now: in-flight requests are lost
+        (recorded with ``finished=None``), the pool is empty and every counter restarts at zero."""
+        with self.lock:
+            self.records.extend(RequestRecord.of(r) for r in self._live)
+            self.restarts.append(self.now)
+            self._start_engine()
+
+    # -------------------------------------------------------------- reading
+    @property
+    def engine(self) -> str:
+        return self.metrics.engine
+
+    def state(self) -> EngineState:
+        """The instance's exported numbers right now (at the engine's own cadence)."""
+        return self.metrics.state
+
+    def exposition(self, dialect: str | None = None, openmetrics: bool = False, **kwargs: object) -> str:
+        """This instance rendered alone as its engine's /metrics body (see ``emit.render``;
+        DP servers render several simulations' ``state()`` together)."""
+        with self.lock:
+            return emit.render(self.engine, [self.state()], dialect=dialect, openmetrics=openmetrics, **kwargs)
+
+    def ttft_quantile(self, q: float, since: float = 0.0, until: float = float("inf")) -> float | None:
+        """Ground-truth TTFT quantile over requests whose first token came in [since, until)."""
+        v = [r.ttft for r in self.records if r.first_token is not None and since <= r.first_token < until]
+        return float(np.quantile(v, q)) if v else None
+
+    # -------------------------------------------------------------- internals
+    def _admit_arrivals(self) -> None:
+        while self._next is not None and self._next.arrival <= self.now:
+            req = self._next
+            self.scheduler.add_request(req)
+            self._live[req] = None
+            self._unscheduled.add(req)
+            self._no_token.add(req)
+            self._next = next(self._arrivals, None)
+
+    def _idle_until(self, t: float) -> None:
+        """Nothing can run: jump to the next arrival (or to ``t``)."""
+        nxt = self._next.arrival if self._next is not None else t
+        self.now = max(self.now, min(nxt, t))
+
+    def _finish_step(self, plan: StepPlan, start: float, dt: float) -> None:
+        end = start + dt
+        finished = self.scheduler.update_from_output(plan, end)
+        self.now = end
+        new_tokens, prefill = 0, False
+        for c in plan.chunks:  # one pass: this runs every step over the whole batch
+            new_tokens += c.num_new_tokens
+            if c.is_prefill:
+                prefill = True
+                self._observe_first(c.req)
+        for r in finished:
+            self._live.pop(r, None)
+            self._unscheduled.discard(r)  # aborted before it ever ran
+            self._no_token.discard(r)
+            self.records.append(RequestRecord.of(r))
+        truth = self.metrics.on_step()
+        if self.record_steps:
+            self._log(plan, start, dt, new_tokens, prefill, truth)
+
+    def _observe_first(self, r: SimRequest) -> None:
+        """Histograms as the engines observe them: queue time once, at a request's first
+        forward; TTFT once, at its first token. Both can only happen in a prefill chunk."""
+        state = self.metrics.state
+        if r in self._unscheduled:
+            self._unscheduled.discard(r)
+            state.queue_time.observe(r.first_scheduled - r.arrival)
+        if r.first_token is not None and r in self._no_token:
+            self._no_token.discard(r)
+            state.ttft.observe(r.first_token - r.arrival)
+
+    def _log(self, plan: StepPlan, start: float, dt: float, new_tokens: int, prefill: bool, truth: PoolTruth) -> None:
+        s = self.steps
+        cap = truth.capacity_tokens or 1
+        s.start.append(start)
+        s.duration.append(dt)
+        s.prefill.append(prefill)
+        s.batch.append(len(plan.chunks))
+        s.new_tokens.append(new_tokens)
+        s.blocked_on_kv.append(plan.blocked_on_kv)
+        s.blocked_other.append(plan.blocked_other)
+        s.evicted.append(len(plan.evicted))
+        s.running.append(truth.running)
+        s.waiting.append(truth.waiting)
+        s.usage.append(truth.used_tokens / cap)
+        s.evictable.append(truth.evictable_tokens / cap)
+        s.loaded_tokens.append(plan.loaded_tokens)
+        s.stored_tokens.append(plan.stored_tokens)
