@@ -1,0 +1,60 @@
+"""``kvdiag render``: write the monitoring mixin generated from the checklist's catalog.
+
+Writes ``rules/`` (recording + alerting rules), ``dashboards/`` (Grafana JSON),
+``deploy/grafana/provisioning/alerting/`` (Grafana-managed alerts) and ``docs/runbooks.md``.
+``--check`` writes nothing and exits 1 listing the files that differ from a fresh render (the
+CI guard against hand edits and forgotten regenerations, like vLLM's dashboard ``--check``).
+Thresholds come from the same config as ``diagnose`` (``--config``, ``--set``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvdiag.config import ConfigError, resolve
+from kvdiag.render import render_all
+from kvdiag.render.grafana_alerts import DATASOURCE_UID
+from kvdiag.render.rules import Links
+
+EXIT_STALE = 1
+EXIT_ERROR = 3
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("render", help="generate rules/, dashboards/, Grafana alerting and runbooks from the checklist")
+    p.add_argument("--out", default=".", metavar="DIR", help="repository root to write under (default: .)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 listing stale or missing files")
+    p.add_argument("--config", metavar="FILE", help="YAML with a checks: section (thresholds, window, SLO)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold")
+    p.add_argument("--runbook-base-url", default=Links.runbook_base, help="runbook_url prefix (default: %(default)s)")
+    p.add_argument("--grafana-url", default=Links.grafana_base, help="dashboard_url prefix, e.g. https://grafana.example.org")
+    p.add_argument("--grafana-datasource-uid", default=DATASOURCE_UID,
+                   help="uid of the Prometheus data source the Grafana-managed alerts query (default: %(default)s)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = resolve(args.config, args.set)
+    except ConfigError as exc:
+        print(f"kvdiag render: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid)
+    root = Path(args.out)
+    if args.check:
+        stale = [p for p, text in files.items() if not (root / p).exists() or (root / p).read_text(encoding="utf-8") != text]
+        for p in stale:
+            print(f"stale: {p}", file=sys.stderr)
+        if stale:
+            print("kvdiag render: generated files are out of date; run `make generate` (kvdiag render)", file=sys.stderr)
+            return EXIT_STALE
+        return 0
+    for p, text in files.items():
+        path = root / p
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {p}", file=sys.stderr)
+    return 0

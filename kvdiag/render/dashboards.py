@@ -1,0 +1,256 @@
+"""Grafana (>= 10) dashboards, rendered from the recorded series and the checklist's config.
+
+Two dashboards: "KV pool overview" (the fleet) and "KV pool instance" (one instance, linked
+from every alert's ``dashboard_url``). Panels are data (``Panel``/``Query``) laid out on a
+24-column grid in order; every query reads the ``instance:kvdiag_*`` series of ``rules/``, so
+the dashboards work on engine metrics alone, and the verdict/check panels add the exporter's
+``kvdiag_verdict`` / ``kvdiag_check_status`` series when the exporter is scraped too.
+Thresholds drawn on panels (the saturation line, the TTFT SLO) come from ``Config``. The JSON
+is deterministic: sorted keys, ids and ``refId`` by position.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kvdiag.config import Config
+from kvdiag.render.normalize import series_name
+from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
+
+OVERVIEW_UID = "kvdiag-overview"
+OVERVIEW_SLUG = "kv-pool-overview"
+INSTANCE_UID = "kvdiag-instance"
+INSTANCE_SLUG = "kv-pool-instance"
+SCHEMA_VERSION = 39  # Grafana 10.3 - 11.x
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str = ""
+    instant: bool = False
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    kind: str  # timeseries | stat | table | state-timeline
+    queries: tuple[Query, ...]
+    description: str
+    unit: str = "short"
+    width: int = 12
+    height: int = 8
+    thresholds: tuple[tuple[float, str], ...] = ()  # (value, color) drawn as lines/colors
+    stacked: bool = False
+    max: float | None = None
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    panels: tuple[Panel, ...]
+    variables: tuple[str, ...] = field(default=("job", "instance", "model"))
+
+
+def _names(config: Config) -> dict[str, str]:
+    w = config.promql_params()["window"]
+    t = lambda n: series_name(n, config)  # noqa: E731
+    return {
+        "usage": t("instance:kvdiag_kv_usage:ratio"),
+        "waiting": t("instance:kvdiag_waiting:requests"),
+        "running": t("instance:kvdiag_running:requests"),
+        "evictions": t("instance:kvdiag_evictions:rate{window}"),
+        "ttft": t("instance:kvdiag_ttft_seconds:p99_{window}"),
+        "hit": t("instance:kvdiag_prefix_hit:ratio{window}"),
+        "l2_usage": t("instance:kvdiag_l2_usage:ratio"),
+        "l2_hit": t("instance:kvdiag_l2_hit:share{window}"),
+        "capacity": "instance:kvdiag_kv_capacity:tokens",
+        "pool": "instance:kvdiag_kv_pool:tokens",
+        "ceiling": f"instance:kvdiag_concurrency_ceiling:requests{w}",
+    }
+
+
+def _sel(lbl: Labels, extra: str = "") -> str:
+    """The dashboard variables as matchers on the recorded series."""
+    parts = [f'{lbl.target[0]}=~"$job"', f'{lbl.target[-1]}=~"$instance"', f'{lbl.model}=~"$model"']
+    return "{" + ", ".join(parts + ([extra] if extra else [])) + "}"
+
+
+def _legend(lbl: Labels) -> str:
+    return "{{" + lbl.target[-1] + "}}" + "".join(f"{{{{{s}}}}}" for s in lbl.split)
+
+
+def overview(config: Config, lbl: Labels = Labels()) -> Dashboard:
+    n, s, leg = _names(config), _sel(lbl), _legend(lbl)
+    alerts = f'ALERTS{{alertname=~"Kvdiag.*", {lbl.target[0]}=~"$job"}}'
+    per_instance = lambda key, title, unit, desc, **kw: Panel(  # noqa: E731
+        title, "timeseries", (Query(f"{n[key]}{s}", leg),), desc, unit, **kw
+    )
+    table = tuple(
+        Query(f"{n[key]}{s}", key, instant=True) for key in ("usage", "waiting", "running", "evictions", "ttft", "hit", "ceiling")
+    )
+    return Dashboard(
+        OVERVIEW_UID,
+        "KV pool overview",
+        "Is the GPU KV pool (L1) what caps concurrency and drives P99 TTFT, across the fleet?",
+        (
+            Panel("Verdicts", "stat", (
+                Query(f"count by (alertname, alertstate) ({alerts})", "{{alertname}} ({{alertstate}})", instant=True),
+                Query("count by (verdict) (kvdiag_verdict == 1)", "{{verdict}} (exporter)", instant=True),
+            ), "Instances per kvdiag alert (from the rules; pending = condition true, waiting out `for:`), and per verdict from the kvdiag exporter where it runs.", width=16),
+            Panel("Instances", "stat", (Query(f"count({INSTANCE_INFO}{s})", "instances", instant=True),),
+                  "Engine instances (data-parallel engines) reporting scheduler metrics.", width=8),
+            Panel("KV usage spread", "timeseries", (
+                Query(f"max({n['usage']}{s})", "max"),
+                Query(f"quantile(0.5, {n['usage']}{s})", "median"),
+                Query(f"min({n['usage']}{s})", "min"),
+            ), "Active (non-evictable) KV usage across instances; the line is the saturation threshold.",
+                  "percentunit", thresholds=((config.saturated_usage, "red"),), max=1.0),
+            per_instance("waiting", "Waiting requests", "short", "Requests in each instance's waiting queue."),
+            per_instance("evictions", "Evictions per second", "reqps", "Running requests retracted (SGLang) or preempted (vLLM) and recomputed."),
+            per_instance("ttft", f"P{config.ttft_quantile * 100:g} TTFT", "s", "From the TTFT histogram over the window; the line is the SLO.",
+                         thresholds=((config.ttft_slo, "red"),)),
+            per_instance("hit", "Prefix hit ratio", "percentunit", "Prefix-cache hit tokens / queried tokens, from counters.", max=1.0),
+            Panel("Instance table", "table", table, "Each instance now: usage, queue, evictions, TTFT, hit ratio, ceiling.", width=24, height=10),
+        ),
+    )
+
+
+def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
+    n, s, leg = _names(config), _sel(lbl), _legend(lbl)
+    return Dashboard(
+        INSTANCE_UID,
+        "KV pool instance",
+        "One engine instance's KV pool (L1): the three states, the queue, evictions, P99 TTFT, hit ratio, L2, the ceiling.",
+        (
+            Panel("Alerts", "table", (
+                Query(f'ALERTS{{alertname=~"Kvdiag.*", {lbl.target[0]}=~"$job", {lbl.target[-1]}=~"$instance"}}', "{{alertname}}", instant=True),
+                Query('kvdiag_verdict{model=~"$model"} == 1', "{{verdict}}", instant=True),
+            ), "kvdiag alerts on this instance (rules), and the exporter's verdict where it runs.", width=10),
+            Panel("Checks", "state-timeline", (
+                Query(f"{CHECK_STATUS}{s}", leg + " {{check}}"),
+                Query('kvdiag_check_status{model=~"$model"}', "{{check}} (exporter)"),
+            ), "Each check: 1 firing, 0 ok, empty unknown.", width=14, max=1.0),
+            Panel("KV pool: used / evictable / available", "timeseries", (Query(f"{n['pool']}{s}", leg + " {{state}}"),),
+                  "The pool's three states where the engine reports them apart (SGLang >= 0.5.11); vLLM folds evictable into free, so only used.",
+                  "short", stacked=True),
+            Panel("KV used against capacity", "timeseries", (
+                Query(f'{n["pool"]}{_sel(lbl, "state=" + chr(34) + "used" + chr(34))}', leg + " used"),
+                Query(f"{n['capacity']}{s}", leg + " capacity"),
+            ), "Tokens held by running requests against the pool's capacity in tokens.", "short"),
+            Panel("KV usage (active share)", "timeseries", (Query(f"{n['usage']}{s}", leg),),
+                  "Active (non-evictable) share of the pool; the line is the saturation threshold.", "percentunit",
+                  thresholds=((config.saturated_usage, "red"),), max=1.0),
+            Panel("Waiting and running", "timeseries", (
+                Query(f"{n['waiting']}{s}", leg + " waiting"),
+                Query(f"{n['running']}{s}", leg + " running"),
+            ), "Waiting queue against the running batch.", "short"),
+            Panel("Evictions per second", "timeseries", (Query(f"{n['evictions']}{s}", leg),),
+                  "Retract (SGLang) / preempt (vLLM) rate: running requests thrown out of L1 and recomputed.", "reqps"),
+            Panel("L2 occupancy and hits", "timeseries", (
+                Query(f"{n['l2_usage']}{s}", leg + " occupancy"),
+                Query(f"{n['l2_hit']}{s}", leg + " hit share"),
+            ), "Host-memory KV tier (L2), where reported: occupancy and the share of queried tokens it served.", "percentunit", max=1.0),
+            Panel(f"P{config.ttft_quantile * 100:g} TTFT", "timeseries", (Query(f"{n['ttft']}{s}", leg),),
+                  "From the TTFT histogram over the window; the line is the SLO.", "s", thresholds=((config.ttft_slo, "red"),)),
+            Panel("Prefix hit ratio", "timeseries", (Query(f"{n['hit']}{s}", leg),),
+                  "Beside P99: a high hit ratio with a bad P99 means concurrency, not the cache, is the problem.", "percentunit", max=1.0),
+            Panel("Concurrency ceiling", "timeseries", (
+                Query(f"{n['ceiling']}{s}", leg + " ceiling"),
+                Query(f"{n['running']}{s}", leg + " running"),
+            ), "Pool tokens / average sequence length (input + output) against the running count.", "short", width=24),
+        ),
+    )
+
+
+def _variables(d: Dashboard, lbl: Labels) -> list[dict]:
+    out: list[dict] = [{
+        "current": {}, "hide": 0, "includeAll": False, "label": "Data source", "multi": False, "name": "datasource",
+        "options": [], "query": "prometheus", "refresh": 1, "regex": "", "type": "datasource",
+    }]
+    filters = {"job": f"{INSTANCE_INFO}", "instance": f'{INSTANCE_INFO}{{{lbl.target[0]}=~"$job"}}', "model": f'{INSTANCE_INFO}{{{lbl.target[0]}=~"$job"}}'}
+    label = {"job": lbl.target[0], "instance": lbl.target[-1], "model": lbl.model}
+    for var in d.variables:
+        q = f"label_values({filters[var]}, {label[var]})"
+        out.append({
+            "allValue": ".*", "current": {}, "datasource": DS, "definition": q, "hide": 0, "includeAll": True,
+            "label": var, "multi": True, "name": var, "options": [], "query": {"query": q, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2, "regex": "", "sort": 1, "type": "query",
+        })
+    return out
+
+
+def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
+    steps = [{"color": "green", "value": None}] + [{"color": c, "value": v} for v, c in p.thresholds]
+    custom: dict = {}
+    if p.kind == "timeseries":
+        custom = {
+            "drawStyle": "line", "fillOpacity": 60 if p.stacked else 10, "lineWidth": 1, "showPoints": "never",
+            "spanNulls": False, "stacking": {"group": "A", "mode": "normal" if p.stacked else "none"},
+            "thresholdsStyle": {"mode": "line" if p.thresholds else "off"},
+        }
+    defaults: dict = {"custom": custom, "thresholds": {"mode": "absolute", "steps": steps}, "unit": p.unit}
+    if p.max is not None:
+        defaults["max"] = p.max
+        defaults["min"] = 0
+    out = {
+        "datasource": DS,
+        "description": p.description,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
+        "id": pid,
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}, "tooltip": {"mode": "multi", "sort": "desc"}},
+        "targets": [
+            {
+                "datasource": DS, "editorMode": "code", "expr": q.expr, "format": "table" if p.kind == "table" else "time_series",
+                "instant": q.instant, "legendFormat": q.legend, "range": not q.instant, "refId": chr(ord("A") + i),
+            }
+            for i, q in enumerate(p.queries)
+        ],
+        "title": p.title,
+        "type": p.kind,
+    }
+    if p.kind == "table":
+        out["transformations"] = [{"id": "merge", "options": {}}]
+        out["options"] = {"cellHeight": "sm", "showHeader": True}
+    if p.kind == "stat":
+        out["options"] = {"colorMode": "value", "graphMode": "none", "justifyMode": "auto", "orientation": "auto",
+                          "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}, "textMode": "value_and_name"}
+    return out
+
+
+def to_json(d: Dashboard, lbl: Labels = Labels()) -> str:
+    panels, x, y, row_h = [], 0, 0, 0
+    for i, p in enumerate(d.panels, start=1):
+        if x + p.width > 24:
+            x, y, row_h = 0, y + row_h, 0
+        panels.append(_panel(p, i, x, y))
+        x, row_h = x + p.width, max(row_h, p.height)
+    body = {
+        "annotations": {"list": []},
+        "description": d.description,
+        "editable": True,
+        "graphTooltip": 1,
+        "links": [{"asDropdown": False, "includeVars": True, "keepTime": True, "tags": ["kvdiag"], "title": "kvdiag", "type": "dashboards"}],
+        "panels": panels,
+        "refresh": "30s",
+        "schemaVersion": SCHEMA_VERSION,
+        "tags": ["kvdiag"],
+        "templating": {"list": _variables(d, lbl)},
+        "time": {"from": "now-1h", "to": "now"},
+        "timezone": "",
+        "title": d.title,
+        "uid": d.uid,
+        "version": 1,
+    }
+    return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+
+def dashboards(config: Config, lbl: Labels = Labels()) -> dict[str, Dashboard]:
+    """File stem -> dashboard."""
+    return {OVERVIEW_SLUG: overview(config, lbl), INSTANCE_SLUG: instance(config, lbl)}

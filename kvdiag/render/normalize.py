@@ -1,0 +1,181 @@
+"""The engine adapters' normalization, written as Prometheus recording rules.
+
+Each rule produces one engine-neutral ``instance:kvdiag_*`` series from ``sglang:*`` /
+``sglang_*`` / ``vllm:*`` / ``vllm_*`` series, choosing the same metric, the same fallbacks and
+the same topology handling as ``kvdiag/engines/sglang.py`` and ``vllm.py`` (this module is the
+PromQL twin of those two files; when an adapter changes, change the matching source here).
+The checklist's series (``kvdiag.checks.catalog.SERIES``) are all produced here; the other
+series feed the dashboards (the three pool states, capacity, the concurrency ceiling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdiag.checks.catalog import SERIES
+from kvdiag.config import Config
+from kvdiag.engines import sglang, vllm
+from kvdiag.render.promql import (
+    INSTANCE_INFO,
+    Labels,
+    broadcast,
+    counter_increase,
+    counter_rate,
+    first,
+    gauge,
+    histogram_rate,
+    label_value,
+    sel,
+    with_model,
+)
+
+S = sglang.P  # "sglang:"
+V = vllm.P  # "vllm:"
+STREAM = ("is_streaming",)  # SGLang tokenizer series split requests in two partitions
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One recording rule: the series it records, its PromQL, and what it means."""
+
+    record: str
+    expr: str
+    meaning: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def series_name(template: str, config: Config) -> str:
+    """A catalog series name with the window filled in (``rate{window}`` -> ``rate5m``)."""
+    return template.format(window=config.promql_params()["window"])
+
+
+def _catalog(name: str, config: Config) -> tuple[str, str]:
+    spec = SERIES[name]
+    return series_name(spec.name, config), spec.meaning
+
+
+def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
+    """Every normalization rule, in dependency order (Prometheus evaluates a group in order)."""
+    w = config.promql_params()["window"]
+    q = f"{config.ttft_quantile:g}"
+    out: list[Recording] = []
+
+    def add(catalog_name: str | None, expr: str, record: str = "", meaning: str = "") -> str:
+        if catalog_name is not None:
+            record, meaning = _catalog(catalog_name, config)
+        out.append(Recording(record, expr, meaning))
+        return record
+
+    # The instance list: one per data-parallel engine that reports scheduler metrics (the
+    # adapters' SIGNATURE families). Everything server-wide is copied onto these.
+    signature = " or ".join(sel(f) for f in sglang.SIGNATURE + vllm.SIGNATURE)
+    add(None, f"group {lbl.by()} ({signature})", INSTANCE_INFO,
+        "1 per engine instance (data-parallel engine) that reports scheduler metrics")
+
+    usage = add("instance:kvdiag_kv_usage:ratio", first(
+        gauge(lbl, S + "token_usage"),
+        gauge(lbl, V + "kv_cache_usage_perc"),
+        gauge(lbl, V + "gpu_cache_usage_perc"),
+    ))
+    add("instance:kvdiag_waiting:requests", first(gauge(lbl, S + "num_queue_reqs"), gauge(lbl, V + "num_requests_waiting")))
+    add("instance:kvdiag_running:requests", first(gauge(lbl, S + "num_running_reqs"), gauge(lbl, V + "num_requests_running")))
+
+    # Evictions. SGLang's counter is only created at the first retraction (multiprocess
+    # registry), so on versions that have it (>= 0.5.7, told by families only they export)
+    # its absence reads as 0 and the first retraction counts: the rate runs over a subquery of
+    # "counter, else the 0.4.10-0.5.2 cumulative gauge, else 0". The last-event gauge
+    # sglang:num_retracted_reqs is never read.
+    # (those families are gauges and counters alike: match the sample name with or without _total)
+    has_counter = " or ".join(sel(f, "(_total)?") for f in sglang.HAS_RETRACT_COUNTER)
+    sglang_evictions = first(
+        f"max {lbl.by()} ({sel(S + 'num_retracted_requests', '_total')})",
+        f"max {lbl.by()} ({sel(S + 'total_retracted_reqs')})",
+        f"0 * group {lbl.by()} ({has_counter})",
+    )
+    add("instance:kvdiag_evictions:rate{window}", first(
+        f"rate(({sglang_evictions})[{w}:])",
+        counter_rate(lbl, V + "num_preemptions", w),
+    ))
+
+    # TTFT: SGLang's comes from the tokenizer process (server-wide), vLLM's per engine.
+    ttft_buckets = f"{histogram_rate(lbl, S + 'time_to_first_token_seconds', w, STREAM)}"
+    add("instance:kvdiag_ttft_seconds:p99_{window}", first(
+        broadcast(lbl, f"histogram_quantile({q}, {ttft_buckets})"),
+        f"histogram_quantile({q}, {histogram_rate(lbl, V + 'time_to_first_token_seconds', w)})",
+    ))
+    add("instance:kvdiag_ttft_requests:increase{window}", first(
+        broadcast(lbl, counter_increase(lbl, S + "time_to_first_token_seconds", w, "_count", STREAM)),
+        counter_increase(lbl, V + "time_to_first_token_seconds", w, "_count"),
+    ))
+
+    # Prefix hits (L1) from counters, never the per-batch cache_hit_rate gauge. SGLang: the
+    # scheduler's per-engine split when present (0.5.20+), else the tokenizer's cached tokens
+    # (device source where labelled) over prompt tokens. vLLM: prefix_cache_* (0.9.2+), else
+    # the legacy gpu_prefix_cache_* (0.8.x counted blocks; the ratio holds).
+    eff = S + "prefill_effective_tokens"
+    eff_all = counter_rate(lbl, eff, w, partitions=("mode",))
+    prompt = counter_rate(lbl, S + "prompt_tokens", w, partitions=STREAM)
+    cached = S + "cached_tokens"
+    device, host = 'cache_source="device"', 'cache_source="host"'
+    eff_device = counter_rate(lbl, eff, w, 'mode="device_hit"')
+    eff_host = counter_rate(lbl, eff, w, 'mode="host_hit"')
+    add("instance:kvdiag_prefix_hit:ratio{window}", first(
+        f"{eff_device} / {eff_all}",
+        broadcast(lbl, first(
+            f"{counter_rate(lbl, cached, w, device, STREAM)} / {prompt}",
+            f"{counter_rate(lbl, cached, w, partitions=STREAM + ('cache_source',))} / {prompt}",
+        )),
+        f"{counter_rate(lbl, V + 'prefix_cache_hits', w)} / {counter_rate(lbl, V + 'prefix_cache_queries', w)}",
+        f"{counter_rate(lbl, V + 'gpu_prefix_cache_hits', w)} / {counter_rate(lbl, V + 'gpu_prefix_cache_queries', w)}",
+    ))
+
+    # L2 (SGLang HiCache host tier; vLLM exports no L2 occupancy: kv_offload_cpu_cache_usage_perc
+    # is the share pinned by transfers).
+    add("instance:kvdiag_l2_usage:ratio", f"{gauge(lbl, S + 'hicache_host_used_tokens')} / {gauge(lbl, S + 'hicache_host_total_tokens')}")
+    vllm_host = counter_rate(lbl, V + "prompt_tokens_cached_by_source", w, 'source="host"')
+    add("instance:kvdiag_l2_hit:share{window}", first(
+        f"{eff_host} / {eff_all}",
+        broadcast(lbl, f"{counter_rate(lbl, cached, w, host, STREAM)} / {prompt}"),
+        f"{vllm_host}"
+        f" / ({first(counter_rate(lbl, V + 'prefix_cache_queries', w), counter_rate(lbl, V + 'gpu_prefix_cache_queries', w))})",
+    ))
+
+    # Capacity in tokens. SGLang: max_total_num_tokens (0.5.6+), else num_used / token_usage.
+    # vLLM: cache_config_info labels: kv_cache_size_tokens per engine (~0.25+), else
+    # (num_gpu_blocks / engines of the server - the null block) x block_size, since
+    # num_gpu_blocks is summed over the server's DP engines.
+    info = V + "cache_config_info"
+    per_server = "count by (" + ", ".join(lbl.target) + f") ({sel(info)})"
+    blocks = f"({label_value(lbl, info, 'num_gpu_blocks')}) / on ({', '.join(lbl.target)}) group_left () {per_server}"
+    capacity = add(None, first(
+        gauge(lbl, S + "max_total_num_tokens"),
+        f"{gauge(lbl, S + 'num_used_tokens')} / ({gauge(lbl, S + 'token_usage')} > 0)",
+        with_model(lbl, first(
+            label_value(lbl, info, "kv_cache_size_tokens"),
+            f"({blocks} - 1) * on ({', '.join(lbl.target + lbl.split)}) ({label_value(lbl, info, 'block_size')})",
+        )),
+    ), "instance:kvdiag_kv_capacity:tokens", "KV pool (L1) capacity in tokens")
+
+    # The three pool states where the engine reports them apart (SGLang 0.5.11+); vLLM folds
+    # evictable into free, so only "used" (usage x capacity, block granularity) exists there.
+    states = [
+        f'label_replace({gauge(lbl, S + "kv_" + state + "_tokens")}, "state", "{state}", "__name__", ".*")'
+        for state in ("used", "evictable", "available")
+    ]
+    add(None, first(
+        " or ".join(states),
+        f'label_replace({gauge(lbl, S + "num_used_tokens")}, "state", "used", "__name__", ".*")',
+        f'label_replace({usage} * on ({", ".join(lbl.key)}) {capacity}, "state", "used", "__name__", ".*")',
+    ), "instance:kvdiag_kv_pool:tokens", "KV pool tokens by state (used | evictable | available), as reported")
+
+    # Average sequence length (input + output tokens per finished request) and the concurrency
+    # ceiling it implies: pool tokens / average sequence length.
+    seq = add(None, first(
+        broadcast(lbl, f"({prompt} + {counter_rate(lbl, S + 'generation_tokens', w, partitions=STREAM)})"
+                       f" / {counter_rate(lbl, S + 'num_requests', w, partitions=STREAM)}"),
+        f"({counter_rate(lbl, V + 'prompt_tokens', w)} + {counter_rate(lbl, V + 'generation_tokens', w)})"
+        f" / {counter_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))}",
+    ), f"instance:kvdiag_sequence_tokens:avg{w}", "average input + output tokens per finished request")
+    add(None, f"{capacity} / ({seq} > 0)", f"instance:kvdiag_concurrency_ceiling:requests{w}",
+        "concurrency ceiling: pool tokens / average sequence length")
+    return out

@@ -1,0 +1,284 @@
+"""Prometheus recording and alerting rules, rendered from the checklist's catalog.
+
+Three rule groups, evaluated in order:
+
+1. ``kvdiag-normalize``: engine series to ``instance:kvdiag_*`` (``kvdiag.render.normalize``,
+   the PromQL twin of the engine adapters);
+2. ``kvdiag-checks``: ``instance:kvdiag_check:status{check}`` per catalog check, 1 firing, 0 ok,
+   absent when unknown (the same contract as the exporter's ``kvdiag_check_status``). The
+   condition is the catalog's own PromQL (``check_expr``); "known" means the check's primary
+   input series exists for the instance;
+3. ``kvdiag-alerts``: one alert per catalog verdict and finding that names an alert. A verdict
+   fires for the status patterns (firing / ok / unknown per signal) that the Python decision
+   (``kvdiag.checks.verdict.decide``) maps to it, so Prometheus and the CLI agree even when a
+   signal is unknown; the ``unknown`` verdict is every other pattern, plus ``absent()`` of all
+   engine metrics. Every alert is suppressed on an instance that is idle right now (nobody
+   running or waiting), so an idle engine never alerts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+import yaml
+
+from kvdiag.checks.catalog import CHECKS, DECISION_TABLE, FINDINGS, SERIES, SIGNALS, VERDICTS, check_expr
+from kvdiag.checks.verdict import decide
+from kvdiag.config import Config
+from kvdiag.model import CheckResult, Evidence
+from kvdiag.render.dashboards import INSTANCE_SLUG, INSTANCE_UID
+from kvdiag.render.normalize import Recording, recordings, series_name
+from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
+
+#: ``for:`` by severity: a page waits less than a ticket, a troubleshooting note waits longest.
+FOR_BY_SEVERITY = {"critical": "2m", "warning": "5m", "info": "10m"}
+#: The absent()-style guard waits longer: a target that restarts is briefly without series.
+ABSENT_FOR = "10m"
+
+
+@dataclass(frozen=True)
+class Links:
+    """Where alerts point. Defaults are repository-relative: no host name is baked in."""
+
+    runbook_base: str = "docs/runbooks.md"
+    grafana_base: str = ""  # e.g. https://grafana.example.org; empty = relative to Grafana
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert, rendered both as a Prometheus alerting rule and a Grafana-managed rule."""
+
+    name: str
+    severity: str
+    expr: str
+    for_: str
+    summary: str
+    meaning: str  # the decision-table rows (or finding) it stands for, for the description
+    values: tuple[tuple[str, str, str], ...]  # (label, series, Go template format pipeline)
+    kind: str  # "verdict" | "finding" | "absent"
+    source: str  # catalog verdict or finding name
+    remedies: tuple[str, ...] = field(default_factory=tuple)
+
+    def anchor(self) -> str:
+        """The runbook section anchor (GitHub slug of the heading, which is the alert name)."""
+        return self.name.lower()
+
+
+def _series(name: str, config: Config) -> str:
+    return series_name(SERIES[name].name, config)
+
+
+def primary_series(check: str, config: Config) -> str:
+    """The series whose presence makes a check known: the first of its inputs that the
+    catalog records (the check's main figure: usage, waiting, evictions, TTFT, ...)."""
+    spec = next(c for c in CHECKS if c.name == check)
+    for f in spec.needs:
+        for s in SERIES.values():
+            if s.field == f:
+                return series_name(s.name, config)
+    raise ValueError(f"check {check} reads no recorded series")
+
+
+def _on(lbl: Labels) -> str:
+    return "on (" + ", ".join(lbl.key) + ")"
+
+
+def check_rules(config: Config, lbl: Labels) -> list[Recording]:
+    out = []
+    for spec in CHECKS:
+        known = f"{INSTANCE_INFO} and {_on(lbl)} {primary_series(spec.name, config)}"
+        firing = f"({known} and {_on(lbl)} ({check_expr(spec.name, config)})) * 0 + 1"
+        expr = f"({firing}) or ({known}) * 0"
+        out.append(Recording(CHECK_STATUS, expr, f"{spec.name}: {spec.title} (1 firing, 0 ok, absent unknown)", (("check", spec.name),)))
+    return out
+
+
+def _status(check: str, state: str, lbl: Labels) -> str:
+    sel = f'{CHECK_STATUS}{{check="{check}"}}'
+    if state == "unknown":
+        return f"unless {_on(lbl)} {sel}"
+    return f"and {_on(lbl)} {sel} == {1 if state == 'firing' else 0}"
+
+
+def _decided(pattern: tuple[str, ...], config: Config) -> str:
+    """The Python verdict for a (S, Q, E) status pattern, via the decision code itself."""
+    ev = Evidence(0.0, 0.0, 0)
+    checks = {name: CheckResult(name, st, ev) for name, st in zip(SIGNALS.values(), pattern)}  # type: ignore[arg-type]
+    return decide(checks, config).name
+
+
+def _patterns(verdict: str, config: Config) -> list[tuple[str, ...]]:
+    states = ("firing", "ok", "unknown")
+    return [p for p in product(states, repeat=len(SIGNALS)) if _decided(p, config) == verdict]
+
+
+def _pattern_expr(pattern: tuple[str, ...], lbl: Labels) -> str:
+    return " ".join([INSTANCE_INFO] + [_status(c, st, lbl) for c, st in zip(SIGNALS.values(), pattern)])
+
+
+def _not_idle(expr: str, config: Config, lbl: Labels) -> str:
+    idle = f"({_series('instance:kvdiag_running:requests', config)} + {_series('instance:kvdiag_waiting:requests', config)}) == 0"
+    return f"({expr}) unless {_on(lbl)} ({idle})"
+
+
+#: What alert descriptions show, in order: catalog series -> (label, Go template formatting).
+DESCRIBED = {
+    "instance:kvdiag_kv_usage:ratio": ("KV usage", "humanizePercentage"),
+    "instance:kvdiag_waiting:requests": ("waiting", 'printf "%.0f"'),
+    "instance:kvdiag_running:requests": ("running", 'printf "%.0f"'),
+    "instance:kvdiag_evictions:rate{window}": ("evictions", 'printf "%.3f/s"'),
+    "instance:kvdiag_ttft_seconds:p99_{window}": ("P{quantile} TTFT", 'printf "%.2fs"'),
+    "instance:kvdiag_prefix_hit:ratio{window}": ("prefix hit ratio", "humanizePercentage"),
+}
+CAPACITY_VALUES = tuple(DESCRIBED)[:4]  # the pool and the queue
+LATENCY_VALUES = tuple(DESCRIBED)[4:]  # TTFT beside the hit ratio
+
+
+def _values(config: Config, names: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    quantile = f"{config.ttft_quantile * 100:g}"
+    return tuple((DESCRIBED[n][0].format(quantile=quantile), _series(n, config), DESCRIBED[n][1]) for n in names)
+
+
+def alerts(config: Config, lbl: Labels = Labels()) -> list[Alert]:
+    """Every alert the catalog names, in catalog order (verdicts, then findings)."""
+    out = []
+    for v in VERDICTS.values():
+        if v.alert is None:
+            continue
+        if v.name == "unknown":
+            decided = "\nor ".join(
+                f"({_pattern_expr(p, lbl)})"
+                for name in VERDICTS
+                if name != "unknown"
+                for p in _patterns(name, config)
+            )
+            expr = f"({_not_idle(f'{INSTANCE_INFO} unless {_on(lbl)} ({decided})', config, lbl)}) or absent({INSTANCE_INFO})"
+            meaning = (
+                "a signal the decision table needs is not reported, and the answer depends on it "
+                "(or no engine reports scheduler metrics at all)"
+            )
+            out.append(Alert(v.alert, v.severity, expr, ABSENT_FOR, v.summary, meaning, _values(config, CAPACITY_VALUES), "absent", v.name, v.remedies))
+            continue
+        terms = [f"({_pattern_expr(p, lbl)})" for p in _patterns(v.name, config)]
+        meaning = "; or ".join(r.meaning for r in DECISION_TABLE if r.verdict == v.name)
+        out.append(Alert(v.alert, v.severity, _not_idle("\nor ".join(terms), config, lbl), FOR_BY_SEVERITY[v.severity],
+                         v.summary, meaning, _values(config, tuple(DESCRIBED)), "verdict", v.name, v.remedies))
+    for f in FINDINGS.values():
+        if f.alert is None:
+            continue
+        parts = [INSTANCE_INFO] + [_status(c, "firing", lbl) for c in f.all_of] + [_status(c, "ok", lbl) for c in f.none_of]
+        if f.verdicts:
+            parts.append(f"and {_on(lbl)} (" + " or ".join(
+                f"({_pattern_expr(p, lbl)})" for v in f.verdicts for p in _patterns(v, config)) + ")")
+        titles = {c.name: c.title for c in CHECKS}
+        meaning = " and ".join(titles[c] for c in f.all_of) + "".join(f", not {titles[c]}" for c in f.none_of)
+        out.append(Alert(f.alert, f.severity, _not_idle(" ".join(parts), config, lbl), FOR_BY_SEVERITY[f.severity],
+                         f.summary, meaning, _values(config, LATENCY_VALUES), "finding", f.name, f.remedies))
+    return out
+
+
+# --- Templates ------------------------------------------------------------------------------
+
+
+def _where(lbl: Labels) -> str:
+    """Go template text naming the instance: target, model and DP engine where present."""
+    parts = [f"{{{{ $labels.{lbl.target[-1]} }}}}"]
+    parts += [f"{{{{ with $labels.{s} }}}} {s} {{{{ . }}}}{{{{ end }}}}" for s in lbl.split]
+    parts.append(f"{{{{ with $labels.{lbl.model} }}}} ({{{{ . }}}}){{{{ end }}}}")
+    return "".join(parts)
+
+
+def _query_value(series: str, pipeline: str, lbl: Labels) -> str:
+    """A Prometheus template that looks up another series of the same instance."""
+    matchers = ",".join(f"{k}=%q" for k in lbl.key)
+    args = " ".join(f"$labels.{k}" for k in lbl.key)
+    return (
+        f'{{{{ with printf "{series}{{{matchers}}}" {args} | query }}}}'
+        f"{{{{ . | first | value | {pipeline} }}}}{{{{ else }}}}n/a{{{{ end }}}}"
+    )
+
+
+def description(alert: Alert, lbl: Labels) -> str:
+    values = ", ".join(f"{label} {_query_value(series, pipe, lbl)}" for label, series, pipe in alert.values)
+    return f"{_where(lbl)}: {alert.meaning}. Now: {values}."
+
+
+def runbook_url(alert: Alert, links: Links) -> str:
+    return f"{links.runbook_base}#{alert.anchor()}"
+
+
+def dashboard_url(links: Links, lbl: Labels, template: str = "prometheus") -> str:
+    """The instance dashboard for the alert's instance (Prometheus or Grafana template syntax)."""
+    if template == "prometheus":
+        vars_ = "&".join(f"var-{k}={{{{ $labels.{k} | urlquery }}}}" for k in lbl.target)
+    else:
+        vars_ = "&".join(f"var-{k}={{{{ index $labels \"{k}\" }}}}" for k in lbl.target)
+    return f"{links.grafana_base}/d/{INSTANCE_UID}/{INSTANCE_SLUG}?{vars_}"
+
+
+# --- YAML -----------------------------------------------------------------------------------
+
+
+class _Dumper(yaml.SafeDumper):
+    """Long PromQL as literal blocks; everything else plain."""
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(data: object) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100_000, allow_unicode=True)
+
+
+HEADER = "# Generated by `kvdiag render` from kvdiag/checks/catalog.py and kvdiag/config.py; do not edit.\n"
+
+
+def recording_file(config: Config, lbl: Labels = Labels()) -> str:
+    groups = [
+        ("kvdiag-normalize", recordings(config, lbl)),
+        ("kvdiag-checks", check_rules(config, lbl)),
+    ]
+    text = HEADER
+    text += "# Recording rules: engine series (sglang:*, sglang_*, vllm:*, vllm_*) to instance:kvdiag_* series,\n"
+    text += "# one per data-parallel engine (" + ", ".join(lbl.key) + "), then the checklist's checks.\n"
+    text += "groups:\n"
+    for name, rules in groups:
+        text += f"- name: {name}\n  rules:\n"
+        for r in rules:
+            text += f"  # {r.meaning}\n" + _indent(dump([_recording(r)]), "  ")
+    return text
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "".join(prefix + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+def _recording(r: Recording) -> dict:
+    out: dict = {"record": r.record, "expr": r.expr}
+    if r.labels:
+        out["labels"] = dict(r.labels)
+    return out
+
+
+def alert_file(config: Config, links: Links = Links(), lbl: Labels = Labels()) -> str:
+    rules = []
+    for a in alerts(config, lbl):
+        rules.append({
+            "alert": a.name,
+            "expr": a.expr,
+            "for": a.for_,
+            "labels": {"severity": a.severity},
+            "annotations": {
+                "summary": a.summary,
+                "description": description(a, lbl),
+                "runbook_url": runbook_url(a, links),
+                "dashboard_url": dashboard_url(links, lbl),
+            },
+        })
+    return HEADER + dump({"groups": [{"name": "kvdiag-alerts", "rules": rules}]})
