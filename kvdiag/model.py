@@ -174,6 +174,8 @@ class Evidence:
     samples: int  # samples in the span
     values: dict[str, float | int | str | bool | None] = field(default_factory=dict)
     summary: str = ""  # one sentence a person reads first
+    # Where the inputs came from: the metric per field, or for logs the lines (file:line).
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -730,3 +731,42 @@ def test_inspect_log_refuses_what_does_not_fit(tmp_path: Path, capsys: pytest.Ca
     assert main(["inspect", "--log", str(empty), "--log", str(empty), "--follow"]) == 3
     assert main(["inspect", "--log", str(tmp_path / "missing.log")]) == 3
     assert main(["inspect", "--log", str(empty), "--log-tz", "Nowhere/Land"]) == 3
+
+
+# --- diagnose --log: the same verdicts from log lines, evidence naming the lines -------------
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_diagnose_log_saturation_story_is_l1_bottleneck(engine: str, tmp_path, capsys) -> None:
+    from kvdiag.cli import main as kvdiag_main
+
+    story = saturation_story(engine, tp=2 if engine == "sglang" else 1)
+    path = tmp_path / f"{engine}.log"
+    story.write(path)
+    code = kvdiag_main(["diagnose", "--log", str(path), "--log-year", str(story.year), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    [inst] = report["instances"]
+    assert inst["verdict"] == "l1_kv_bottleneck" and code == 2
+    usage = inst["checks"]["kv_usage_saturated"]["evidence"]
+    assert re.search(rf"{re.escape(str(path))}:\d+", usage["sources"]["usage_ratio"])
+    assert inst["checks"]["ttft_p99_high"]["status"] == "unknown"  # no TTFT histogram in logs
+
+
+def test_diagnose_log_follow_rediagnoses_as_lines_arrive(tmp_path) -> None:
+    story = saturation_story("vllm")
+    path = tmp_path / "live.log"
+    half = len(story.lines) // 4
+    path.write_text("".join(line + "\n" for line in story.lines[:half]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdiag", "diagnose", "--log", str(path), "--follow", "--follow-timeout", "4",
+         "--log-year", str(story.year), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(2.0)
+    with path.open("a") as fh:
+        for line in story.lines[half:]:
+            fh.write(line + "\n")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "healthy" in err and "l1_kv_bottleneck" in err  # the verdict moved while following
+    assert json.loads(out)["instances"][0]["verdict"] == "l1_kv_bottleneck"

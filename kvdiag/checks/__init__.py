@@ -6,6 +6,7 @@ compare against and what their answers mean is defined once in ``kvdiag.checks.c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Iterable
 
 from kvdiag.checks import evictions, l2, latency, prefix, queue, saturation
@@ -30,7 +31,22 @@ SIGNAL_CHECKS = tuple(SIGNALS.values())
 
 
 def run_checks(window: Window, config: Config) -> dict[str, CheckResult]:
-    return {name: evaluate(window, config) for name, evaluate in EVALUATORS.items()}
+    return {name: _sourced(evaluate(window, config), window) for name, evaluate in EVALUATORS.items()}
+
+
+def _sourced(result: CheckResult, window: Window) -> CheckResult:
+    """Name where each input of a check came from, as the samples' provenance says: the
+    metric for scrapes, the first and last line for logs ("app.log:12 .. app.log:940")."""
+    spec = next(c for c in CHECKS if c.name == result.check)
+    sources = {}
+    for name in spec.needs:
+        first = next((s.provenance[name] for s in window.samples if name in s.provenance), None)
+        last = window.last.provenance.get(name)
+        if first is None or last is None:
+            continue
+        a, b = first.describe(), last.describe()
+        sources[name] = a if a == b else f"{a} .. {b}"
+    return replace(result, evidence=replace(result.evidence, sources=sources)) if sources else result
 
 
 def diagnose(window: Window, config: Config) -> Diagnosis:

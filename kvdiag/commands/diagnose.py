@@ -26,6 +26,7 @@ from kvdiag.model import PoolSample, Scrape
 from kvdiag.report import diagnosis as terminal
 from kvdiag.report.json import report_json
 from kvdiag.sources.inputs import is_url
+from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.files import read_path
 from kvdiag.sources.prometheus import PrometheusError, read_window
 from kvdiag.sources.recording import RecordingError, read_recording
@@ -33,6 +34,7 @@ from kvdiag.sources.scrape import ScrapeError, scrape
 from kvdiag.window import windows
 
 EXIT_ERROR = 3
+FOLLOW_EVERY_S = 5.0  # log seconds between re-diagnoses while following
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -58,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while sampling")
+    add_log_arguments(p)
     return p
 
 
@@ -69,6 +72,7 @@ class Collected:
     problems: dict[str, str] = field(default_factory=dict)
     answered: set[str] = field(default_factory=set)  # targets that yielded samples
     when: float = field(default_factory=time.time)
+    logs: list[LogStream] = field(default_factory=list)  # read in full, or followed by follow()
 
     def add(self, s: Scrape, engine: str) -> None:
         try:
@@ -92,10 +96,15 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     if collected is None:
         return EXIT_ERROR
+    if args.follow:
+        follow(collected, config, args)
     by_instance = windows(collected.samples)
     diagnoses = diagnose_all(by_instance.values(), config)
     diagnoses += [undiagnosable(t, why, collected.when) for t, why in collected.problems.items()]
     code = exit_code(diagnoses)
+    for log in collected.logs:
+        for line in log.report.describe():
+            print(f"kvdiag diagnose: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(report_json(diagnoses, code), indent=2))
     else:
@@ -111,10 +120,16 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(args: argparse.Namespace) -> Collected | None:
     """Samples from whichever sources the arguments name; None after printing a usage error."""
-    if not (args.inputs or args.replay or args.prometheus):
-        print("kvdiag diagnose: give engine URLs, files, --replay REC or --prometheus URL", file=sys.stderr)
+    if not (args.inputs or args.replay or args.prometheus or args.log):
+        print("kvdiag diagnose: give engine URLs, files, --replay REC, --log FILE or --prometheus URL", file=sys.stderr)
         return None
     out = Collected()
+    out.logs = open_logs(args)
+    if not args.follow:
+        for log in out.logs:
+            out.samples.extend(log)
+            if not log.report.samples:
+                out.problems[log.report.name] = "no engine stats lines in this log"
     if args.prometheus:
         res = read_window(
             args.prometheus,
@@ -138,6 +153,29 @@ def collect(args: argparse.Namespace) -> Collected | None:
         sample_urls(urls, args, out)
     out.settle()
     return out
+
+
+def follow(out: Collected, config: cfg.Config, args: argparse.Namespace) -> None:
+    """``--log FILE --follow``: re-diagnose as lines arrive, printing each instance's verdict
+    when it changes, until Ctrl-C or ``--follow-timeout``. Diagnoses are spaced by log time
+    (``FOLLOW_EVERY_S``), so replaying a long log costs what scraping it live would."""
+    console = Console(stderr=args.json, soft_wrap=True)
+    shown: dict[str, str] = {}
+    last = -float("inf")
+    try:
+        for sample in out.logs[0]:
+            out.samples.append(sample)
+            if sample.ts - last < FOLLOW_EVERY_S:
+                continue
+            last = sample.ts
+            out.samples = [s for s in out.samples if s.ts >= last - config.window]  # memory stays flat
+            for d in diagnose_all(windows(out.samples).values(), config):
+                if shown.get(d.instance) != d.verdict.name:
+                    shown[d.instance] = d.verdict.name
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.end))
+                    console.print(f"{stamp} {d.instance}: {d.verdict.name} ({d.verdict.reason})", highlight=False)
+    except KeyboardInterrupt:
+        pass
 
 
 def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> None:

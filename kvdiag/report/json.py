@@ -38,6 +38,8 @@ def check_json(c: CheckResult) -> dict:
     ev = c.evidence
     evidence = dict(ev.values)
     evidence["summary"] = ev.summary
+    if ev.sources:
+        evidence["sources"] = dict(ev.sources)
     evidence["span"] = {"start": _num(ev.start), "end": _num(ev.end), "seconds": _num(ev.seconds), "samples": ev.samples}
     out: dict = {"status": c.status, "evidence": evidence}
     if c.missing:
