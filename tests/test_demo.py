@@ -1,0 +1,24 @@
+"""The main job: `kvdiag demo --no-live` reads both simulated engines to the L1 verdict."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def test_demo_reaches_l1_bottleneck_for_both_engines() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdiag", "demo", "--no-live", "--duration", "10", "--speed", "45", "--interval", "0.4"],
+        capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    verdicts: dict[str, list[str]] = {}
+    for engine, verdict in re.findall(r"t=\s*\d+s (\w+)\s.*verdict=(\w+)", proc.stdout):
+        verdicts.setdefault(engine, []).append(verdict)
+    assert set(verdicts) == {"sglang", "vllm"}
+    for engine, seen in verdicts.items():
+        assert "healthy" in seen, (engine, seen)  # it starts healthy ...
+        assert seen[-1] == "l1_kv_bottleneck", (engine, seen)  # ... and ends on the L1 verdict
+        assert seen.index("healthy") < seen.index("l1_kv_bottleneck")
+    assert "Admission limit" in proc.stdout and "--max-num-seqs" in proc.stdout and "--max-running-requests" in proc.stdout
