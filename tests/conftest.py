@@ -15,6 +15,17 @@ SGLANG_FIXTURE = "sglang-0.5.23-midload.prom"
 VLLM_FIXTURE = "vllm-0.33.0-midload.prom"
 
 
+#: The six alerts and severities the monitoring issue names (the spec, written once for all tests).
+EXPECTED_ALERTS = {
+    "KvdiagL1KVPoolBottleneck": "critical",
+    "KvdiagL1KVPoolPressure": "warning",
+    "KvdiagKVPoolNearCapacity": "info",
+    "KvdiagQueueWithoutKVPressure": "warning",
+    "KvdiagCacheHealthyButTTFTBad": "warning",
+    "KvdiagEngineMetricsAbsent": "warning",
+}
+
+
 def shared_fixture(name: str) -> Path:
     """A real engine sample from ../shared/fixtures, read in place (never copied here).
 

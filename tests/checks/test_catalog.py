@@ -15,6 +15,7 @@ from kvdiag.checks import catalog
 from kvdiag.checks.verdict import decide
 from kvdiag.config import Config
 from kvdiag.model import CheckResult, Evidence
+from tests.conftest import EXPECTED_ALERTS
 
 CHECKS_DIR = Path(checks.__file__).parent
 
@@ -63,14 +64,7 @@ def test_unknown_verdict_names_the_deciding_signal() -> None:
 def test_alert_names_and_severities() -> None:
     alerts = {v.alert: v.severity for v in catalog.VERDICTS.values() if v.alert}
     alerts.update({f.alert: f.severity for f in catalog.FINDINGS.values() if f.alert})
-    assert alerts == {
-        "KvdiagL1KVPoolBottleneck": "critical",
-        "KvdiagL1KVPoolPressure": "warning",
-        "KvdiagKVPoolNearCapacity": "info",
-        "KvdiagQueueWithoutKVPressure": "warning",
-        "KvdiagCacheHealthyButTTFTBad": "warning",
-        "KvdiagEngineMetricsAbsent": "warning",
-    }
+    assert alerts == EXPECTED_ALERTS
     codes = {n: v.exit_code for n, v in catalog.VERDICTS.items()}
     assert codes == {"l1_kv_bottleneck": 2, "l1_kv_pressure": 1, "near_kv_capacity": 0, "queue_without_kv_pressure": 1, "healthy": 0, "unknown": 3}
 

@@ -21,24 +21,11 @@ import pytest
 import yaml
 
 from kvdiag.render import RULES_ALERTS, RULES_RECORDING
+from tests.conftest import EXPECTED_ALERTS
 from tests.mixin.conftest import ROOT, need
 
-ALERTS = (
-    "KvdiagL1KVPoolBottleneck",
-    "KvdiagL1KVPoolPressure",
-    "KvdiagKVPoolNearCapacity",
-    "KvdiagQueueWithoutKVPressure",
-    "KvdiagCacheHealthyButTTFTBad",
-    "KvdiagEngineMetricsAbsent",
-)
-SEVERITY = {
-    "KvdiagL1KVPoolBottleneck": "critical",
-    "KvdiagL1KVPoolPressure": "warning",
-    "KvdiagKVPoolNearCapacity": "info",
-    "KvdiagQueueWithoutKVPressure": "warning",
-    "KvdiagCacheHealthyButTTFTBad": "warning",
-    "KvdiagEngineMetricsAbsent": "warning",
-}
+ALERTS = tuple(EXPECTED_ALERTS)
+SEVERITY = EXPECTED_ALERTS
 MODEL = "llama"
 STEPS = 80  # samples 15 s apart: 20 minutes
 EVAL = "19m"

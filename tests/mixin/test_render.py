@@ -15,16 +15,9 @@ from kvdiag.config import Config
 from kvdiag.engines import known_metrics
 from kvdiag.render import GRAFANA_ALERTS, RULES_ALERTS, RULES_RECORDING, RUNBOOKS, render_all
 from kvdiag.render.normalize import series_name
+from tests.conftest import EXPECTED_ALERTS
 from tests.mixin.conftest import ROOT
 
-EXPECTED_ALERTS = {
-    "KvdiagL1KVPoolBottleneck": "critical",
-    "KvdiagL1KVPoolPressure": "warning",
-    "KvdiagKVPoolNearCapacity": "info",
-    "KvdiagQueueWithoutKVPressure": "warning",
-    "KvdiagCacheHealthyButTTFTBad": "warning",
-    "KvdiagEngineMetricsAbsent": "warning",
-}
 #: An engine family as a query names it: ``sglang:x``, ``vllm_x`` or the rules' ``sglang[:_]x``.
 ENGINE_NAME = re.compile(r"\b(sglang|vllm)(?:\[:_\]|:|_)([A-Za-z0-9_]+)")
 SUFFIXES = ("_total", "_bucket", "_count", "_sum")
