@@ -1,0 +1,81 @@
+"""``kvdiag serve``: the exporter beside a serving cluster (FastAPI on uvicorn).
+
+The config file (``--config``) holds everything; the flags cover the common case without one
+and override the file. A config that cannot run is refused before anything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+
+from kvdiag.config import ConfigError, parse_duration, with_overrides
+from kvdiag.server import settings as serve_settings
+from kvdiag.server.settings import DEFAULT_HOST, DEFAULT_PORT, Settings, check_timing, parse_listen
+from kvdiag.server.targets import Shard, TargetsError, make_target
+
+EXIT_ERROR = 3
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run the exporter: scrape engines, serve /metrics, the JSON API and a landing page")
+    p.add_argument("--config", metavar="YAML", help="exporter config (targets, scrape, probe allowlist, checks)")
+    p.add_argument("--target", action="append", default=[], metavar="URL", help="an engine to scrape (repeatable; added to the config's)")
+    p.add_argument("--interval", metavar="DURATION", help="seconds between scrapes of each target (default 5s)")
+    p.add_argument("--window", metavar="DURATION", help="the checks' window, also what each instance keeps (default 5m)")
+    p.add_argument("--listen", metavar="HOST:PORT", help=f"listen address (default {DEFAULT_HOST}:{DEFAULT_PORT})")
+    p.add_argument("--shard", metavar="I/N", help="scrape only the targets whose URL hash falls in shard I of N")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a check threshold (see `kvdiag explain`)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> Settings:
+    """The settings in force: defaults, then the config file, then the flags."""
+    settings = serve_settings.load(args.config) if args.config else Settings()
+    try:
+        extra = tuple(make_target(url, None, f"--target {url}") for url in args.target)
+        scrape = settings.scrape
+        if args.interval:
+            scrape = replace(scrape, interval=parse_duration(args.interval))
+            if scrape.interval <= 0:
+                raise ValueError("--interval must be positive")
+        check_timing(scrape)
+        host, port = parse_listen(args.listen) if args.listen else (settings.host, settings.port)
+        shard = Shard.parse(args.shard) if args.shard else settings.shard
+    except (ValueError, TargetsError) as exc:
+        raise ConfigError(str(exc)) from None
+    overrides = list(args.set) + ([f"window={args.window}"] if args.window else [])
+    return replace(
+        settings,
+        targets=settings.targets + extra,
+        scrape=scrape,
+        host=host,
+        port=port,
+        shard=shard,
+        checks=with_overrides(settings.checks, overrides),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = resolve(args)
+    except (ConfigError, OSError) as exc:
+        print(f"kvdiag serve: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    import uvicorn  # the exporter's own dependencies load only when it runs
+
+    from kvdiag.server.app import create_app
+    from kvdiag.server.loop import ScrapeLoop
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.targets and not settings.file_sd and settings.probe.empty:
+        logging.getLogger("kvdiag.serve").warning("no targets, no file_sd and no probe allowlist: nothing to scrape")
+    loop = ScrapeLoop(settings).start()
+    try:
+        uvicorn.run(create_app(loop), host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    finally:
+        loop.stop()
+    return 0

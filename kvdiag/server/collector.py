@@ -1,0 +1,124 @@
+"""``/metrics`` (and ``/probe``): kvdiag's answers as Prometheus series, built per scrape.
+
+A prometheus_client custom collector: every Prometheus scrape reads the current target states
+and writes fresh families, with no timers and no timestamps (the exporter guidelines). Names
+follow the guidelines: ``kvdiag_`` prefix, no colons, base units (tokens, requests, seconds),
+ratios 0-1. Instantaneous figures come from the newest sample and appear only while the
+target is up; figures computed over the window (verdict, checks, hit ratio, P99, ceiling) are
+refreshed by the background loop after scrapes, not at /metrics time, as their HELP says.
+Every per-instance series carries ``instance``, ``engine``, ``model`` and the target's extra
+labels.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Callable, Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from kvdiag import __version__
+from kvdiag.checks.catalog import CHECKS, VERDICTS
+from kvdiag.config import Config
+from kvdiag.server.state import InstanceState, TargetState, fresh_instances
+
+#: (name, type, help) of every kvdiag family, in exposition order.
+FAMILIES = (
+    ("kvdiag_up", "gauge", "1 if the last scrape of the engine succeeded and held engine metrics, else 0."),
+    ("kvdiag_scrape_duration_seconds", "gauge", "Seconds the last scrape of the engine took."),
+    ("kvdiag_kv_pool_tokens", "gauge", "KV pool (L1) tokens by state, only the states the engine reports apart."),
+    ("kvdiag_kv_usage_ratio", "gauge", "Active (non-evictable) share of the KV pool as the engine reports it, 0-1."),
+    ("kvdiag_kv_capacity_tokens", "gauge", "KV pool (L1) capacity in tokens."),
+    ("kvdiag_waiting_requests", "gauge", "Requests in the engine's waiting queue."),
+    ("kvdiag_running_requests", "gauge", "Requests the engine is running."),
+    ("kvdiag_evictions", "counter", "Running requests retracted (SGLang) or preempted (vLLM) and recomputed; engine restarts are corrected, the counter never decreases."),
+    ("kvdiag_prefix_hit_ratio", "gauge", "Prefix-cache hit tokens / queried tokens over the checks' window; computed by the background loop after scrapes."),
+    ("kvdiag_ttft_p99_seconds", "gauge", "P99 time to first token over the checks' window from the engine's histogram; computed by the background loop after scrapes."),
+    ("kvdiag_concurrency_ceiling", "gauge", "Requests the KV pool can hold: pool tokens / average tokens per request; computed by the background loop after scrapes."),
+    ("kvdiag_check_status", "gauge", "1 if the check fires, 0 if it does not; absent when unknown. Computed by the background loop after scrapes."),
+    ("kvdiag_verdict", "gauge", "1 for the instance's current verdict, 0 for the others. Computed by the background loop after scrapes."),
+)
+POOL_STATES = ("used", "evictable", "available")
+
+
+class ExporterCollector(Collector):
+    """The kvdiag families for the target states ``source`` returns at collect time."""
+
+    def __init__(self, source: Callable[[], list[TargetState]], config: Config, build_info: bool = True) -> None:
+        self.source = source
+        self.config = config
+        self.build_info = build_info
+
+    def collect(self) -> Iterator[Metric]:
+        fams = {name: Metric(name, doc, kind) for name, kind, doc in FAMILIES}
+        now = time.time()
+        for state in self.source():
+            instances = fresh_instances(state, self.config, now)
+            if instances:
+                for inst in instances:
+                    _instance(fams, state, inst)
+            else:
+                _unreached(fams, state)
+        yield from fams.values()
+        if self.build_info:
+            info = Metric("kvdiag_build", "kvdiag's version, as labels; the value is 1.", "info")
+            info.add_sample("kvdiag_build_info", {"version": __version__, "python_version": platform.python_version()}, 1.0)
+            yield info
+
+
+def _labels(state: TargetState, instance: str, engine: str, model: str | None) -> dict[str, str]:
+    return {"instance": instance, "engine": engine, "model": model or "", **state.target.label_dict}
+
+
+def _put(fams: dict[str, Metric], name: str, labels: dict[str, str], value: float | int | None, sample: str | None = None) -> None:
+    if value is not None:
+        fams[name].add_sample(sample or name, labels, float(value))
+
+
+def _instance(fams: dict[str, Metric], state: TargetState, inst: InstanceState) -> None:
+    latest = inst.latest
+    assert latest is not None  # fresh_instances only returns instances with samples
+    labels = _labels(state, inst.key, latest.engine, latest.model)
+    _put(fams, "kvdiag_up", labels, 1 if state.up else 0)
+    _put(fams, "kvdiag_scrape_duration_seconds", labels, state.duration)
+    if state.up:
+        for pool_state in POOL_STATES:
+            _put(fams, "kvdiag_kv_pool_tokens", {**labels, "state": pool_state}, getattr(latest, f"{pool_state}_tokens"))
+        _put(fams, "kvdiag_kv_usage_ratio", labels, latest.usage_ratio)
+        _put(fams, "kvdiag_kv_capacity_tokens", labels, latest.capacity_tokens)
+        _put(fams, "kvdiag_waiting_requests", labels, latest.waiting)
+        _put(fams, "kvdiag_running_requests", labels, latest.running)
+        _put(fams, "kvdiag_evictions", labels, inst.evictions_total, "kvdiag_evictions_total")
+    diagnosis = inst.diagnosis
+    if diagnosis is None:
+        return
+    prefix = diagnosis.checks.get("prefix_hit_high")
+    _put(fams, "kvdiag_prefix_hit_ratio", labels, _number(prefix.evidence.values.get("hit_ratio")) if prefix else None)
+    _put(fams, "kvdiag_ttft_p99_seconds", labels, inst.ttft_p99)
+    _put(fams, "kvdiag_concurrency_ceiling", labels, _number(diagnosis.figures.get("ceiling")))
+    for check in CHECKS:
+        result = diagnosis.checks.get(check.name)
+        if result is not None and result.status != "unknown":
+            _put(fams, "kvdiag_check_status", {**labels, "check": check.name}, 1 if result.status == "firing" else 0)
+    _verdict(fams, labels, diagnosis.verdict.name)
+
+
+def _unreached(fams: dict[str, Metric], state: TargetState) -> None:
+    """A target with no instance in the window: down (or never an engine), verdict unknown."""
+    if state.last_scrape is None:
+        return  # not scraped yet: no answer rather than a false "down"
+    labels = _labels(state, state.url, "", None)
+    _put(fams, "kvdiag_up", labels, 0)
+    _put(fams, "kvdiag_scrape_duration_seconds", labels, state.duration)
+    _verdict(fams, labels, "unknown")
+
+
+def _verdict(fams: dict[str, Metric], labels: dict[str, str], current: str) -> None:
+    for name in VERDICTS:
+        _put(fams, "kvdiag_verdict", {**labels, "verdict": name}, 1 if name == current else 0)
+
+
+def _number(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

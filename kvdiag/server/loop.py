@@ -1,0 +1,206 @@
+"""The background scrape loop: every target once per interval, at its own phase, bounded.
+
+One scheduler thread keeps a heap of due times and hands due targets to a fixed pool of
+``concurrency`` worker threads; the network wait is where scraping spends its time, and the
+GIL is released there. Each target is due at the same phase of every interval (a stable hash
+of its URL spreads the fleet evenly over the interval, as Prometheus spreads its scrapes), so
+samples are evenly spaced and load is smooth. A target whose previous scrape is still running
+is skipped, not queued: a hung target holds at most one worker until its timeout, and everyone
+else keeps their schedule. ``/probe`` targets live in a separate, size-bounded table with
+their own windows, scraped when Prometheus asks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
+
+from kvdiag import checks
+from kvdiag.server.settings import Settings
+from kvdiag.server.state import Diagnose, ScrapeOptions, TargetState, Undiagnosable, scrape_into
+from kvdiag.server.targets import FileSD, Target, combine
+
+log = logging.getLogger("kvdiag.serve")
+
+#: How often file_sd files are checked for changes (Prometheus' default refresh is 5 m; a
+#: stat() per file is cheap, so kvdiag looks more often).
+FILE_SD_REFRESH_S = 10.0
+#: Distinct /probe targets remembered at once; the least recently probed is forgotten first,
+#: and any not probed for a whole window (its window would be empty anyway).
+MAX_PROBES = 2_000
+#: Extra ring rows beyond window / interval, for jitter in scrape times.
+RING_SLACK = 2
+#: Each instance is evaluated at least this many times per window. The checks' cost grows
+#: with the window's length while a verdict over a long window moves slowly, so a 1 h window
+#: is evaluated every 150 s rather than every 15 s (see bench/bench_serve.py).
+EVALUATIONS_PER_WINDOW = 24
+
+
+def phase(url: str) -> float:
+    """A stable fraction in [0, 1) per URL: where in each interval the target is scraped."""
+    digest = hashlib.blake2b(url.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def options(settings: Settings) -> ScrapeOptions:
+    """The per-scrape options implied by the settings (ring rows cover the checks' window)."""
+    s = settings.scrape
+    return ScrapeOptions(
+        timeout=s.effective_timeout,
+        max_bytes=s.max_bytes,
+        auth=s.auth,
+        config=settings.checks,
+        capacity=math.ceil(settings.checks.window / s.interval) + RING_SLACK,
+        evaluate_every=max(s.evaluate_every, settings.checks.window / EVALUATIONS_PER_WINDOW),
+    )
+
+
+class ScrapeLoop:
+    """Configured targets scraped in the background, plus on-demand probe targets."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        diagnose: Diagnose = checks.diagnose,
+        undiagnosable: Undiagnosable = checks.undiagnosable,
+    ) -> None:
+        self.settings = settings
+        self.opts = options(settings)
+        self.probe_opts = replace(self.opts, evaluate_every=0.0)
+        self.diagnose = diagnose
+        self.undiagnosable = undiagnosable
+        self.targets: dict[str, TargetState] = {}
+        self.probes: OrderedDict[str, TargetState] = OrderedDict()
+        self.file_sd = [FileSD(p) for p in settings.file_sd]
+        self._heap: list[tuple[float, int, TargetState]] = []  # (due, tie-breaker, target)
+        self._seq = itertools.count()
+        self._lock = threading.Lock()  # guards targets, probes and the heap
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(settings.scrape.concurrency, thread_name_prefix="kvdiag-scrape")
+        self._thread = threading.Thread(target=self._run, name="kvdiag-scheduler", daemon=True)
+        self._next_sd = 0.0
+        self.refresh_targets()
+
+    # --- targets -------------------------------------------------------------------------
+
+    def refresh_targets(self) -> None:
+        """Re-read changed file_sd files and bring the scraped set in line with the config."""
+        for f in self.file_sd:
+            f.refresh()
+            if f.error:
+                log.warning("file_sd: %s (keeping its previous targets)", f.error)
+        self.set_targets(combine(self.settings.targets, self.file_sd, self.settings.shard))
+
+    def set_targets(self, targets: Iterable[Target]) -> None:
+        wanted = {t.url: t for t in targets}
+        now = time.monotonic()
+        interval = self.settings.scrape.interval
+        with self._lock:
+            for url in set(self.targets) - set(wanted):
+                self.targets.pop(url).session.close()
+            for url, target in wanted.items():
+                state = self.targets.get(url)
+                if state is None:
+                    state = self.targets[url] = TargetState(target)
+                    heapq.heappush(self._heap, (now + phase(url) * interval, next(self._seq), state))
+                elif state.target != target:
+                    state.target = target  # new labels, same URL: keep the window
+        self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        """Every configured target has finished at least one scrape (successful or not)."""
+        with self._lock:
+            return all(s.last_scrape is not None for s in self.targets.values())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def snapshot(self, probes: bool = False) -> list[TargetState]:
+        """The configured targets' states (or the probed ones), safe to iterate."""
+        with self._lock:
+            return list((self.probes if probes else self.targets).values())
+
+    # --- running -------------------------------------------------------------------------
+
+    def start(self) -> "ScrapeLoop":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for state in list(self.targets.values()) + list(self.probes.values()):
+                state.session.close()
+
+    def _run(self) -> None:
+        interval = self.settings.scrape.interval
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.file_sd and now >= self._next_sd:
+                self._next_sd = now + FILE_SD_REFRESH_S
+                self.refresh_targets()
+            with self._lock:
+                while self._heap and self._heap[0][0] <= now:
+                    due, _, state = heapq.heappop(self._heap)
+                    if self.targets.get(state.url) is not state:
+                        continue  # removed from the config (perhaps added again since: a new state)
+                    if not state.busy:
+                        state.busy = True
+                        self._pool.submit(self._job, state)
+                    missed = max(0, math.floor((now - due) / interval))  # fell behind: skip, keep the phase
+                    heapq.heappush(self._heap, (due + (missed + 1) * interval, next(self._seq), state))
+                wait = (self._heap[0][0] - now) if self._heap else FILE_SD_REFRESH_S
+            if self.file_sd:
+                wait = min(wait, self._next_sd - now)
+            self._wake.wait(max(0.0, wait))
+            self._wake.clear()
+
+    def _job(self, state: TargetState) -> None:
+        try:
+            with state.lock:
+                scrape_into(state, self.opts, self.diagnose, self.undiagnosable)
+        finally:
+            state.busy = False
+
+    # --- /probe --------------------------------------------------------------------------
+
+    def probe(self, url: str, engine: str = "auto") -> TargetState:
+        """Scrape ``url`` now (the caller has checked the allowlist) and return its state.
+
+        Each probed URL keeps its own window, evaluated on every probe since each probe is a
+        Prometheus scrape; probes of the same URL are serialized. Probes never follow
+        redirects: a redirect would lead past the allowlist.
+        """
+        now = time.time()
+        with self._lock:
+            state = self.probes.get(url)
+            if state is None:
+                state = self.probes[url] = TargetState(Target(url))
+                state.session.max_redirects = 0
+            self.probes.move_to_end(url)
+            while self.probes:
+                oldest = next(iter(self.probes.values()))
+                stale = oldest.last_scrape is not None and now - oldest.last_scrape > self.settings.checks.window
+                if len(self.probes) <= MAX_PROBES and not stale:
+                    break
+                self.probes.popitem(last=False)[1].session.close()
+        with state.lock:
+            state.engine = engine
+            scrape_into(state, self.probe_opts, self.diagnose, self.undiagnosable)
+        return state

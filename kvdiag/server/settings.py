@@ -1,0 +1,295 @@
+"""The exporter's configuration: one YAML file shared with ``diagnose``, flags on top.
+
+The file holds the exporter's sections beside the checklist's ``checks:`` section (read by
+``kvdiag.config``, the same thresholds ``diagnose`` uses)::
+
+    listen: 127.0.0.1:10877
+    api_bearer_token_file: /etc/kvdiag/api-token
+    shard: 0/1
+    scrape:
+      interval: 5s
+      timeout: 4s
+      concurrency: 64
+      max_body_bytes: 16777216
+      evaluate_every: 15s
+      auth: {bearer_token_file: /etc/kvdiag/engine-token, ca_file: /etc/ssl/engines.pem}
+    targets:
+      - http://10.0.0.5:30000
+      - {url: http://10.0.0.6:8000, labels: {cluster: east}}
+    file_sd: [/etc/prometheus/sd/engines.json]
+    probe:
+      hosts: [engine-0.internal]
+      cidrs: [10.0.0.0/16]
+      regex: 'https?://vllm-[0-9]+\\.svc:8000(/metrics)?'
+    checks:
+      window: 5m
+
+Anything unknown or mistyped is refused at start with the file, line and key at fault: an
+exporter that silently ignores a misspelt ``targets`` scrapes nothing and says nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from kvdiag import config as checks_config
+from kvdiag.config import Config, ConfigError, parse_duration
+from kvdiag.exposition import DEFAULT_MAX_BYTES
+from kvdiag.server.probe import Allowlist
+from kvdiag.server.targets import Shard, Target, make_target
+from kvdiag.sources.scrape import Auth
+
+#: Not in the 9100-9999 exporter range, which Prometheus' port-allocation wiki lists as full.
+DEFAULT_PORT = 10877
+DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ScrapeSettings:
+    """How targets are scraped: every ``interval`` (with a per-target phase), each within
+    ``timeout``, at most ``concurrency`` at once, bodies up to ``max_bytes``."""
+
+    interval: float = 5.0
+    timeout: float | None = None  # None: 80% of the interval, at most 10 s
+    concurrency: int = 64
+    max_bytes: int = DEFAULT_MAX_BYTES
+    auth: Auth | None = None
+    # Verdicts move over minutes and Prometheus reads them every 15-60 s, while the checks
+    # cost more than a scrape on long windows: each instance is evaluated at most this often.
+    evaluate_every: float = 15.0
+
+    @property
+    def effective_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else min(10.0, 0.8 * self.interval)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``kvdiag serve`` runs with."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_token: str | None = None
+    shard: Shard = Shard()
+    scrape: ScrapeSettings = ScrapeSettings()
+    targets: tuple[Target, ...] = ()
+    file_sd: tuple[Path, ...] = ()
+    probe: Allowlist = field(default_factory=Allowlist)
+    checks: Config = Config()
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` (loopback) or ``[v6]:PORT``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:{DEFAULT_PORT}")
+    return (host.strip("[]") or DEFAULT_HOST), int(port)
+
+
+def _secret(section: dict[str, Any], key: str, base: Path) -> str | None:
+    """A secret given inline (``key``) or, better, in a file (``key_file``)."""
+    if section.get(key) is not None and section.get(key + "_file") is not None:
+        raise ValueError(f"give {key} or {key}_file, not both")
+    if section.get(key + "_file") is not None:
+        path = base / str(section[key + "_file"])
+        try:
+            return path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"{key}_file {path}: cannot read ({exc.strerror})") from None
+    value = section.get(key)
+    return None if value is None else str(value)
+
+
+def _auth(data: Any, base: Path) -> Auth:
+    data = _mapping(data, {"basic", "bearer_token", "bearer_token_file", "ca_file", "insecure_skip_verify"})
+    basic = None
+    if data.get("basic") is not None:
+        b = _at(("basic",), _mapping, data["basic"], {"username", "password", "password_file"})
+        if "username" not in b:
+            raise FieldError(("basic",), "basic needs a username")
+        basic = (str(b["username"]), _at(("basic",), _secret, b, "password", base) or "")
+    ca = data.get("ca_file")
+    return Auth(
+        basic=basic,
+        bearer=_secret(data, "bearer_token", base),
+        ca_file=str(base / str(ca)) if ca is not None else None,
+        insecure=_at(("insecure_skip_verify",), _bool, data.get("insecure_skip_verify", False)),
+    )
+
+
+def _scrape(data: Any, base: Path) -> ScrapeSettings:
+    data = _mapping(data, {"interval", "timeout", "concurrency", "max_body_bytes", "auth", "evaluate_every"})
+
+    def number(key: str, parse: Callable[[Any], float], default: float) -> float:
+        return _at((key,), lambda v: _positive(parse(v), key), data.get(key, default))
+
+    timeout = number("timeout", parse_duration, 1.0) if "timeout" in data else None
+    s = ScrapeSettings(
+        interval=number("interval", parse_duration, 5.0),
+        timeout=timeout,
+        concurrency=int(number("concurrency", _int, 64)),
+        max_bytes=int(number("max_body_bytes", _int, DEFAULT_MAX_BYTES)),
+        evaluate_every=number("evaluate_every", parse_duration, 15.0),
+        auth=_at(("auth",), _auth, data["auth"], base) if data.get("auth") is not None else None,
+    )
+    _at(("timeout",) if timeout is not None else (), check_timing, s)
+    return s
+
+
+def check_timing(s: ScrapeSettings) -> None:
+    """A scrape must end before the next one of the same target is due."""
+    if s.effective_timeout > s.interval:
+        raise ValueError(f"timeout {s.effective_timeout:g}s exceeds the interval {s.interval:g}s")
+
+
+def _targets(data: Any) -> tuple[Target, ...]:
+    if not isinstance(data, list):
+        raise ValueError("targets must be a list of URLs or {url, labels} entries")
+    out = []
+    for i, item in enumerate(data):
+        if isinstance(item, dict):
+            unknown = set(item) - {"url", "labels"}
+            if unknown:
+                raise FieldError((i,), f"unknown key {sorted(unknown)[0]!r} (expected url, labels)")
+            out.append(_at((i,), make_target, item.get("url"), item.get("labels"), ""))
+        else:
+            out.append(_at((i,), make_target, item, None, ""))
+    return tuple(out)
+
+
+def _probe(data: Any) -> Allowlist:
+    data = _mapping(data, {"hosts", "cidrs", "regex"})
+    hosts = _at(("hosts",), _strings, data.get("hosts"))
+    cidrs = _at(("cidrs",), _strings, data.get("cidrs"))
+    return _at(("cidrs",) if cidrs else (), Allowlist.build, hosts, cidrs, data.get("regex"))
+
+
+#: Top-level keys: how each is read into Settings (``checks`` is kvdiag.config's).
+_SECTIONS: dict[str, Callable[[Settings, Any, Path], Settings]] = {
+    "listen": lambda s, v, b: replace(s, **dict(zip(("host", "port"), parse_listen(str(v))))),
+    "api_bearer_token": lambda s, v, b: replace(s, api_token=_secret({"t": v}, "t", b)),
+    "api_bearer_token_file": lambda s, v, b: replace(s, api_token=_secret({"t_file": v}, "t", b)),
+    "shard": lambda s, v, b: replace(s, shard=Shard.parse(str(v))),
+    "scrape": lambda s, v, b: replace(s, scrape=_scrape(v, b)),
+    "targets": lambda s, v, b: replace(s, targets=_targets(v)),
+    "file_sd": lambda s, v, b: replace(s, file_sd=tuple(b / p for p in _strings(v))),
+    "probe": lambda s, v, b: replace(s, probe=_probe(v)),
+}
+
+
+def load(path: str | Path) -> Settings:
+    """Settings from a YAML file; ConfigError names the file and line at fault.
+
+    Relative paths inside the file (file_sd, token and CA files) are relative to the file.
+    """
+    path = Path(path)
+    settings = Settings(checks=checks_config.load(path))  # reads and checks `checks:` itself
+    root = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    if root is None:
+        return settings
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{path}:{root.start_mark.line + 1}: the file must be a mapping")
+    seen: set[str] = set()
+    for key_node, value_node in root.value:
+        key, where = key_node.value, f"{path}:{key_node.start_mark.line + 1}"
+        if key == checks_config.SECTION:
+            continue
+        if key not in _SECTIONS:
+            raise ConfigError(f"{where}: unknown key {key!r}; known: {', '.join(sorted(_SECTIONS))}, {checks_config.SECTION}")
+        if key in seen:
+            raise ConfigError(f"{where}: {key} is given twice")
+        seen.add(key)
+        try:
+            settings = _SECTIONS[key](settings, yaml.safe_load(yaml.serialize(value_node)), path.parent)
+        except FieldError as exc:
+            line = _line(key_node, value_node, exc.path)
+            raise ConfigError(f"{path}:{line}: {key}{''.join(_step(p) for p in exc.path)}: {exc.reason}") from None
+        except (ValueError, TypeError) as exc:  # TargetsError and ConfigError are ValueErrors
+            raise ConfigError(f"{where}: {key}: {exc}") from None
+    if settings.api_token == "":
+        raise ConfigError(f"{path}: the API bearer token is empty")
+    return settings
+
+
+class FieldError(ValueError):
+    """A bad value inside a section, with its path (keys and list indexes) for the line."""
+
+    def __init__(self, path: tuple[str | int, ...], reason: str) -> None:
+        super().__init__(reason)
+        self.path = path
+        self.reason = reason
+
+
+def _at(path: tuple[str | int, ...], fn: Callable[..., Any], *args: Any) -> Any:
+    """Call ``fn``; a ValueError it raises is blamed on ``path`` (nested paths are joined)."""
+    try:
+        return fn(*args)
+    except FieldError as exc:
+        raise FieldError(path + exc.path, exc.reason) from None
+    except ValueError as exc:
+        raise FieldError(path, str(exc)) from None
+
+
+def _line(key_node: yaml.Node, node: yaml.Node, path: tuple[str | int, ...]) -> int:
+    """The 1-based line of the node at ``path`` below a section (the deepest one found)."""
+    line = key_node.start_mark.line + 1
+    for step in path:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == step), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+            node = node.value[step]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _step(p: str | int) -> str:
+    return f"[{p}]" if isinstance(p, int) else f".{p}"
+
+
+def _mapping(data: Any, allowed: set[str]) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a mapping with keys {', '.join(sorted(allowed))}")
+    unknown = set(map(str, data)) - allowed
+    if unknown:
+        raise ValueError(f"unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(allowed))}")
+    return data
+
+
+def _strings(data: Any) -> list[str]:
+    if data is None:
+        return []
+    if isinstance(data, str):
+        return [data]
+    if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+        raise ValueError("expected a list of strings")
+    return data
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{v!r} is not a whole number")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{v!r} is not true or false")
+    return v
+
+
+def _positive(v: float, what: str) -> float:
+    if v <= 0:
+        raise ValueError(f"{what} must be positive")
+    return v
+
