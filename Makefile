@@ -23,7 +23,8 @@ demo: $(STAMP)
 	$(KVDIAG) demo
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q
+	bash scripts/engine-src.sh .cache/engine-src
+	KVDIAG_ENGINE_SRC=$(CURDIR)/.cache/engine-src $(PY) -m pytest -q
 
 generate: $(STAMP)
 	$(KVDIAG) render

@@ -100,6 +100,10 @@ class Roofline:
             pairs += n * p + n * (n + 1) / 2
         return self.batch_cost(tokens, context, pairs)
 
+    def batch_seconds(self, tokens: int, context: int, pairs: float) -> float:
+        """``batch_cost(...).seconds``: the engine loop's fast-forward step time."""
+        return self.batch_cost(tokens, context, pairs).seconds
+
     def batch_cost(self, tokens: int, context: int, pairs: float) -> StepCost:
         """Cost of ``tokens`` new tokens over ``context`` cached ones with ``pairs`` causal
         (query, key) pairs in all: the aggregates ``cost`` takes from a plan."""

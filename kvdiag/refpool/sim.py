@@ -26,7 +26,7 @@ import numpy as np
 from kvdiag.refpool import emit
 from kvdiag.refpool.emit import EngineState
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.types import EngineScheduler, SimRequest, StepPlan
+from kvdiag.refpool.types import DecodeRun, EngineScheduler, SimRequest, StepPlan
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
 EPOCH = 1_795_952_340.0  # simulated t = 0 as a Unix time, for _created series and recordings
@@ -211,6 +211,11 @@ class Simulation:
     ``make_scheduler`` builds a fresh engine (at start and on ``restart``); ``step_time`` maps a
     plan to seconds (``roofline.Roofline.step_time``); ``requests`` is any arrival-ordered
     iterable (``workload.Workload.requests()``), consumed lazily.
+
+    ``batch_time(tokens, context, pairs)`` is the same step-time model on a batch's aggregates
+    (``Roofline.batch_seconds``). Given it, runs of identical decode steps that a scheduler
+    offers (``types.FastForward``) are taken at once, with every step's duration, ground truth
+    and final metrics exactly as step by step.
     """
 
     def __init__(
@@ -221,9 +226,11 @@ class Simulation:
         metrics: MetricsFactory = default_metrics,
         epoch: float = EPOCH,
         record_steps: bool = True,
+        batch_time: Callable[[int, int, float], float] | None = None,
     ) -> None:
         self.make_scheduler = make_scheduler
         self.step_time = step_time
+        self.batch_time = batch_time
         self.metrics_factory = metrics
         self.epoch = epoch
         self.record_steps = record_steps
@@ -254,6 +261,8 @@ class Simulation:
                     return
                 if not self.scheduler.has_work():
                     self._idle_until(t)
+                    continue
+                if self._fast_forward(t):
                     continue
                 plan = self.scheduler.schedule(self.now)
                 if plan.idle:  # work exists but nothing can run (e.g. waiting on a transfer)
@@ -329,6 +338,35 @@ class Simulation:
         if self.record_steps:
             self._log(plan, start, dt, new_tokens, prefill, truth)
 
+    def _fast_forward(self, t: float) -> bool:
+        """Take the decode run the scheduler offers, up to the step that starts at or after
+        ``t`` or the next arrival (exactly where the step-by-step loop would stop or admit)."""
+        offer = getattr(self.scheduler, "decode_run", None)
+        if self.batch_time is None or offer is None:
+            return False
+        run: DecodeRun | None = offer()
+        if run is None:
+            return False
+        limit = min(t, self._next.arrival) if self._next is not None else t
+        starts, durations = [], []
+        now, context, n = self.now, run.context_tokens, run.batch
+        while len(starts) < run.max_steps and now < limit:
+            dt = self.batch_time(n, context, float(context + n))  # n one-token decodes: pairs = context + n
+            starts.append(now)
+            durations.append(dt)
+            now, context = now + dt, context + n
+        if len(starts) < 2:
+            return False
+        used = self.scheduler.advance_decode(len(starts))  # type: ignore[attr-defined]
+        self.now = now
+        truth = self.metrics.on_step()  # decode steps change no counter: once is every step
+        if self.record_steps:
+            plan = StepPlan(blocked_on_kv=run.blocked_on_kv, blocked_other=run.blocked_other)
+            for start, dt, u in zip(starts, durations, used):
+                step_truth = PoolTruth(truth.capacity_tokens, u, truth.evictable_tokens, truth.running, truth.waiting)
+                self._log(plan, start, dt, n, False, step_truth, batch=n)
+        return True
+
     def _observe_first(self, r: SimRequest) -> None:
         """Histograms as the engines observe them: queue time once, at a request's first
         forward; TTFT once, at its first token. Both can only happen in a prefill chunk."""
@@ -340,13 +378,15 @@ class Simulation:
             self._no_token.discard(r)
             state.ttft.observe(r.first_token - r.arrival)
 
-    def _log(self, plan: StepPlan, start: float, dt: float, new_tokens: int, prefill: bool, truth: PoolTruth) -> None:
+    def _log(
+        self, plan: StepPlan, start: float, dt: float, new_tokens: int, prefill: bool, truth: PoolTruth, batch: int | None = None
+    ) -> None:
         s = self.steps
         cap = truth.capacity_tokens or 1
         s.start.append(start)
         s.duration.append(dt)
         s.prefill.append(prefill)
-        s.batch.append(len(plan.chunks))
+        s.batch.append(len(plan.chunks) if batch is None else batch)
         s.new_tokens.append(new_tokens)
         s.blocked_on_kv.append(plan.blocked_on_kv)
         s.blocked_other.append(plan.blocked_other)

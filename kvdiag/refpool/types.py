@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 _MASK = (1 << 61) - 1
 
@@ -24,6 +24,15 @@ def token_key(prev_key: int, token: int) -> int:
     byte for byte.
     """
     return ((prev_key * 1_000_003) ^ (token + 0x9E3779B97F4A7C15)) & _MASK
+
+
+def chain_key(prev_key: int, tokens: Iterable[int]) -> int:
+    """Key of the last of ``tokens`` given the key of the token before them: ``token_key``
+    folded over the run (block hashes without a list of every position's key)."""
+    k = prev_key
+    for t in tokens:
+        k = token_key(k, t)
+    return k
 
 
 def prefix_keys(tokens: Sequence[int], start_key: int = 0) -> list[int]:
@@ -94,6 +103,37 @@ class StepPlan:
     @property
     def idle(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """Upcoming iterations that are identical one-token decodes of the same ``batch`` requests.
+
+    A scheduler offers one (``FastForward.decode_run``) only when, for each of ``max_steps``
+    steps, the normal ``schedule`` / ``update_from_output`` pair would admit nobody (the queue is
+    empty, or refused without side effects), finish, retract or preempt nobody, publish no
+    report, and serve every allocation from free slots without a merge or an eviction. Then the
+    steps differ only in each request's context (+1 per step), which the engine loop's step-time
+    model takes in aggregate, and they can be taken at once, exactly.
+    """
+
+    max_steps: int
+    batch: int  # requests decoding each step
+    context_tokens: int  # sum of their tokens already in L1 before the first step
+    blocked_on_kv: bool  # the same on every step (see StepPlan)
+    blocked_other: bool
+
+
+class FastForward(Protocol):
+    """Optional extension of ``EngineScheduler``: take a ``DecodeRun`` in one call."""
+
+    def decode_run(self) -> DecodeRun | None: ...
+
+    def advance_decode(self, steps: int) -> list[int]:
+        """Apply ``steps`` (at most the offered ``max_steps``) exactly as that many schedule /
+        update_from_output pairs would; return the used tokens of the pool after each step, in
+        the convention of the engine's metrics hook."""
+        ...
 
 
 class KVStore(Protocol):

@@ -107,6 +107,22 @@ class Poisson:
 
 
 @dataclass(frozen=True)
+class Periodic:
+    """One arrival every ``1/rate`` seconds (a load generator at a fixed rate): with fixed
+    lengths the engine reaches a steady state with no queueing noise, so a pool can be held
+    at a known level."""
+
+    rate: float  # requests per second
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0, got {self.rate}")
+
+    def times(self, rng: np.random.Generator) -> Iterator[float]:
+        return (k / self.rate for k in itertools.count(1))
+
+
+@dataclass(frozen=True)
 class Bursty:
     """Two-state Markov-modulated Poisson process: bursts at ``burst_rate`` lasting
     ``mean_burst_s`` on average, separated by ``mean_calm_s`` at ``calm_rate`` (on/off when 0).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from kvdiag.refpool.sglang import fast_forward
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.sglang.hicache import HiRadixCache
 from kvdiag.refpool.sglang.invariants import check_scheduler_invariants
@@ -67,6 +68,7 @@ class SGLangScheduler:
         self.max_total_num_tokens = max_total_num_tokens
         self.page_size = page_size
         self.store: KVStore = store if store is not None else NullStore()
+        self.moves_bytes = not isinstance(self.store, NullStore)  # accounting-only: no keys, no writes
         self.allocator = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
         self.tree_cache: RadixCache
         if enable_hierarchical_cache:
@@ -261,7 +263,8 @@ class SGLangScheduler:
             if self.debug:
                 self._verify_device(req.kv_indices, req.kv_keys(0, start), f"prefix hit of {req.sim.rid}")
             slots = alloc_extend(req, self.tree_cache, req.extend_input_len)
-            self.store.write("device", slots, req.kv_keys(start, start + len(slots)))
+            if self.moves_bytes:
+                self.store.write("device", slots, req.kv_keys(start, start + len(slots)))
             plan.chunks.append(ScheduledChunk(req.sim, len(slots), start, is_prefill=True))
 
     def _on_admitted(self, req: Req, now: float) -> None:
@@ -300,7 +303,8 @@ class SGLangScheduler:
         for req in self.running_batch:
             pos = len(req.kv_indices)
             slot = alloc_extend(req, self.tree_cache, 1)
-            self.store.write("device", slot, req.kv_keys(pos, pos + 1))
+            if self.moves_bytes:
+                self.store.write("device", slot, req.kv_keys(pos, pos + 1))
             plan.chunks.append(ScheduledChunk(req.sim, 1, pos, is_prefill=False))
         return True
 
@@ -413,3 +417,7 @@ class SGLangScheduler:
     def check_invariants(self) -> None:
         """Recount the pool from scratch; raise ``AssertionError`` on any disagreement."""
         check_scheduler_invariants(self)
+
+    # types.FastForward: runs of identical decode steps at once (sglang/fast_forward.py)
+    decode_run = fast_forward.decode_run
+    advance_decode = fast_forward.advance_decode

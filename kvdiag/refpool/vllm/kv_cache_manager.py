@@ -118,6 +118,36 @@ class KVCacheManager:
         )
         return num_new_blocks + num_evictable_computed_blocks
 
+    def fits(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+    ) -> bool:
+        """Whether ``allocate_slots`` with these arguments would succeed (it changes nothing)."""
+        hits = new_computed_blocks or []
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
+        # The watermark applies to waiting/preempted requests only, and only when something is
+        # already scheduled (so an empty engine can always admit its first request).
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+        free = self.block_pool.get_num_free_blocks()
+        if full_sequence_must_fit:
+            # Admission gate (scheduler_reserve_full_isl): the whole current sequence must fit,
+            # not just the first chunk.
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            if self.get_num_blocks_to_allocate(request.request_id, full_num_tokens, hits) + watermark_blocks > free:
+                return False
+        num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        return self.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits) + watermark_blocks <= free
+
     def allocate_slots(
         self,
         request: Request,
@@ -131,40 +161,22 @@ class KVCacheManager:
         has_scheduled_reqs: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Reserve slots for ``num_new_tokens`` (plus prefix hits and external tokens); None if
-        the pool cannot supply them. Returns the newly allocated blocks.
+        the pool cannot supply them (``fits``). Returns the newly allocated blocks.
 
         Layout: | comp | new_comp (local hits) | ext_comp (connector) | new | lookahead |.
         Blocks for ext_comp are allocated here, *before* the connector copies into them.
         """
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no external computed tokens")
+        if not self.fits(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, full_sequence_must_fit, has_scheduled_reqs,
+        ):  # fmt: skip
+            return None
         hits = new_computed_blocks or []
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = min(
-            num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
-        )
-
-        # The watermark applies to waiting/preempted requests only, and only when something is
-        # already scheduled (so an empty engine can always admit its first request).
-        watermark_blocks = 0
-        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            watermark_blocks = self.watermark_blocks
-
-        if full_sequence_must_fit:
-            # Admission gate (scheduler_reserve_full_isl): the whole current sequence must fit,
-            # not just the first chunk.
-            full_num_tokens = min(request.num_tokens, self.max_model_len)
-            need = self.get_num_blocks_to_allocate(request.request_id, full_num_tokens, hits)
-            if need + watermark_blocks > self.block_pool.get_num_free_blocks():
-                return None
-
-        num_tokens_need_slot = min(
-            total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
-        need = self.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits)
-        if need + watermark_blocks > self.block_pool.get_num_free_blocks():
-            return None
-
+        total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
+        num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if hits or num_external_computed_tokens > 0:
             self._allocate_new_computed_blocks(
                 request.request_id, hits, num_local_computed_tokens, num_external_computed_tokens

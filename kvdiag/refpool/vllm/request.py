@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from kvdiag.refpool.types import SimRequest, token_key
+from kvdiag.refpool.types import SimRequest, chain_key, token_key
 
 
 class RequestStatus(enum.Enum):
@@ -29,29 +29,50 @@ class Request:
     ``token_keys[i]`` is the KV key of position i (it chains the whole prefix, see
     ``types.token_key``); the hash of full block b is the key of its last token, which chains the
     parent block hash and the block's tokens exactly like vLLM's ``hash_block_tokens``.
+
+    ``track_keys=False`` (accounting-only runs, where no KV byte is written or verified) keeps no
+    per-token keys: each block hash is folded from the parent hash over the block's tokens when
+    the block fills (``types.chain_key``), the same values without a list of every position.
     """
 
-    def __init__(self, sim: SimRequest, block_size: int) -> None:
+    def __init__(self, sim: SimRequest, block_size: int, track_keys: bool = True) -> None:
         self.sim = sim
         self.request_id = sim.rid
         self.block_size = block_size
+        self.track_keys = track_keys
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_tokens = 0
         self.token_keys: list[int] = []
         self.block_hashes: list[int] = []
-        for t in sim.all_tokens:
-            self._append_key(t)
+        self._append(sim.all_tokens)
 
-    def _append_key(self, token: int) -> None:
-        prev = self.token_keys[-1] if self.token_keys else 0
-        self.token_keys.append(token_key(prev, token))
-        if len(self.token_keys) % self.block_size == 0:
-            self.block_hashes.append(self.token_keys[-1])
+    def _append(self, tokens: tuple[int, ...]) -> None:
+        bs = self.block_size
+        if self.track_keys:
+            keys = self.token_keys
+            for t in tokens:
+                keys.append(token_key(keys[-1] if keys else 0, t))
+                if len(keys) % bs == 0:
+                    self.block_hashes.append(keys[-1])
+            self.num_tokens = len(keys)
+            return
+        self.num_tokens += len(tokens)
+        hashes = self.block_hashes
+        while len(hashes) < self.num_tokens // bs:
+            lo = len(hashes) * bs
+            hashes.append(chain_key(hashes[-1] if hashes else 0, self._tokens(lo, lo + bs)))
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_keys)
+    def _tokens(self, lo: int, hi: int) -> tuple[int, ...]:
+        """Tokens ``lo..hi-1`` of prompt + output, without concatenating the whole sequence."""
+        prompt, out = self.sim.prompt, self.sim.output
+        p = len(prompt)
+        if hi <= p:
+            return prompt[lo:hi]
+        if lo >= p:
+            return tuple(out[lo - p : hi - p])
+        return prompt[lo:] + tuple(out[: hi - p])
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,7 +81,7 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         """Append a sampled token and extend ``block_hashes`` when a block becomes full."""
         self.sim.output.append(token_id)
-        self._append_key(token_id)
+        self._append((token_id,))
 
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)

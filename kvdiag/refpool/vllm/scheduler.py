@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
+from kvdiag.refpool.vllm import fast_forward
 from kvdiag.refpool.vllm.block_pool import BlockPool
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from kvdiag.refpool.vllm.offload import OffloadingConnector, OffloadingConnectorMetadata
@@ -63,6 +65,17 @@ class VLLMStats:
     cpu_offload_total_blocks: int  # 0 when offloading is off
     cpu_offload_evicted_blocks_total: int  # CPU blocks dropped (LRU) to make room for stores
     evicted_blocks_total: int  # cached GPU blocks whose hash was dropped at reuse
+
+
+@dataclass
+class _Admission:
+    """The head request's prefix hits and tokens to compute, as ``allocate_slots`` takes them."""
+
+    num_local: int
+    num_external: int
+    num_load: int
+    num_new_tokens: int
+    slot_args: dict[str, Any]
 
 
 @dataclass
@@ -112,6 +125,7 @@ class VLLMScheduler:
         self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.store: KVStore = store if store is not None else NullStore()
+        self.moves_bytes = not isinstance(self.store, NullStore)  # accounting-only: no keys, no writes
         self.debug = debug
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, block_size, watermark, max_model_len)
@@ -139,7 +153,7 @@ class VLLMScheduler:
             raise ValueError(f"{req.rid}: prompt length {len(req.prompt)} not in [1, max_model_len)")
         if req.output_len < 1:
             raise ValueError(f"{req.rid}: output_len must be >= 1 (vLLM always samples a token)")
-        request = Request(req, self.block_size)
+        request = Request(req, self.block_size, track_keys=self.moves_bytes)
         self.requests[req.rid] = request
         self.waiting.add_request(request)
 
@@ -191,28 +205,11 @@ class VLLMScheduler:
                 if len(self.running) == self.max_num_seqs:
                     break
                 request = self.waiting.peek_request()
-                new_computed_blocks, num_local = kv.get_computed_blocks(request)
-                num_external, num_load = 0, 0
-                if self.connector is not None:
-                    num_load = self.connector.get_num_new_matched_tokens(request, num_local)
-                    # A full hit still recomputes the last token (_update_waiting_for_remote_kv).
-                    num_external = min(num_load, request.num_tokens - 1 - num_local)
-                    if num_external == 0:
-                        num_load = 0
-                num_computed = num_local + num_external
-                num_new_tokens = request.num_tokens - num_computed
-                if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                    num_new_tokens = self.long_prefill_token_threshold
-                num_new_tokens = min(num_new_tokens, token_budget)
-                new_blocks = kv.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_local,
-                    new_computed_blocks=new_computed_blocks,
-                    num_external_computed_tokens=num_external,
-                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
-                    has_scheduled_reqs=bool(self.running),
+                adm = self._admission(request, token_budget)
+                num_local, num_external, num_load, num_new_tokens = (
+                    adm.num_local, adm.num_external, adm.num_load, adm.num_new_tokens
                 )
+                new_blocks = kv.allocate_slots(request, num_new_tokens, **adm.slot_args)
                 if new_blocks is None:
                     plan.blocked_on_kv = True  # head-of-line: nothing behind it is tried
                     break
@@ -232,7 +229,7 @@ class VLLMScheduler:
                     request.sim.device_hit_tokens = num_local
                     request.sim.host_hit_tokens = num_external
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed
+                request.num_computed_tokens = num_local + num_external
                 out.new_reqs.append(request)
                 self._add_chunk(out, request, num_new_tokens, is_prefill=True, now=now)
                 token_budget -= num_new_tokens
@@ -289,6 +286,29 @@ class VLLMScheduler:
 
     # ---- internals ----
 
+    def _admission(self, request: Request, token_budget: int) -> _Admission:
+        """What admitting the head of the queue would ask of the pool (no change to the pool;
+        the connector's lookup is its only side effect)."""
+        new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+        num_external, num_load = 0, 0
+        if self.connector is not None:
+            num_load = self.connector.get_num_new_matched_tokens(request, num_local)
+            # A full hit still recomputes the last token (_update_waiting_for_remote_kv).
+            num_external = min(num_load, request.num_tokens - 1 - num_local)
+            if num_external == 0:
+                num_load = 0
+        num_new_tokens = request.num_tokens - num_local - num_external
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        slot_args = {
+            "num_new_computed_tokens": num_local,
+            "new_computed_blocks": new_computed_blocks,
+            "num_external_computed_tokens": num_external,
+            "full_sequence_must_fit": self.scheduler_reserve_full_isl,
+            "has_scheduled_reqs": bool(self.running),
+        }
+        return _Admission(num_local, num_external, num_load, min(num_new_tokens, token_budget), slot_args)
+
     def _add_chunk(
         self, out: _SchedulerOutput, request: Request, n: int, is_prefill: bool, now: float
     ) -> None:
@@ -333,12 +353,18 @@ class VLLMScheduler:
         return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
 
     def _write_kv(self, request: Request, start: int, n: int) -> None:
+        if not self.moves_bytes:
+            return
         keys = request.token_keys[start : start + n]
         self.store.write("device", self._slots(request, start, start + n), keys)
 
     def _verify_kv(self, request: Request, end: int) -> None:
-        if end and not self.store.verify("device", self._slots(request, 0, end), request.token_keys[:end]):
+        if end and self.moves_bytes and not self.store.verify("device", self._slots(request, 0, end), request.token_keys[:end]):
             raise AssertionError(f"{request.request_id}: device KV of tokens [0, {end}) does not match")
+
+    # types.FastForward: runs of identical decode steps at once (vllm/fast_forward.py)
+    decode_run = fast_forward.decode_run
+    advance_decode = fast_forward.advance_decode
 
     # ---- observability ----
 

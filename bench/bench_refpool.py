@@ -1,0 +1,121 @@
+"""Reference-pool speed: simulated seconds per wall second, and pool operations per second.
+
+The engine loop: a 1.5 M-token pool (Llama-3-8B step times on an H200) under 50 req/s of
+chat load (1k-token prompts, half shared with one of 8 system prompts, ~800-token answers, so
+about a thousand requests run at once), accounting-only (``NullStore``). The engine first warms
+up to its steady state (not timed), then runs ``--seconds`` simulated seconds (timed); goal
+>= 1,000x. Runs of identical decode steps are fast-forwarded (exactly; ``--step-by-step`` turns
+that off). The pool operations: SGLang's radix tree (match_prefix + insert + lock/unlock, with
+LRU eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per second.
+
+Usage: .venv/bin/python bench/bench_refpool.py [--seconds 60] [--warmup 40] [--engine sglang|vllm]
+Last line: JSON with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from kvdiag.refpool.roofline import Roofline
+from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
+from kvdiag.refpool.sglang.radix_cache import RadixCache
+from kvdiag.refpool.sglang.scheduler import SGLangScheduler
+from kvdiag.refpool.sim import Simulation
+from kvdiag.refpool.vllm.block_pool import BlockPool
+from kvdiag.refpool.vllm.request import Request
+from kvdiag.refpool.types import SimRequest
+from kvdiag.refpool.vllm.scheduler import VLLMScheduler
+from kvdiag.refpool.workload import LogNormal, Poisson, SharedPrefix, Workload
+
+POOL_TOKENS = 1_500_000
+RATE = 50.0
+
+
+def engine_speed(engine: str, warmup: float, seconds: float, fast_forward: bool = True) -> dict[str, float]:
+    """Simulated seconds per wall second over ``seconds`` after ``warmup`` (both simulated)."""
+    wl = Workload(Poisson(RATE), LogNormal(1000, 0.5, hi=8000), LogNormal(800, 0.5, hi=4000), prefix=SharedPrefix(8, 0.5), seed=1)
+    if engine == "sglang":
+        make = lambda: SGLangScheduler(max_total_num_tokens=POOL_TOKENS)  # noqa: E731
+    else:
+        make = lambda: VLLMScheduler(num_gpu_blocks=POOL_TOKENS // 16 + 1)  # noqa: E731
+    roofline = Roofline("llama-3-8b", "h200")
+    sim = Simulation(make, wl.requests(), roofline.step_time, batch_time=roofline.batch_seconds if fast_forward else None)
+    t_start = time.perf_counter()
+    sim.run_until(warmup)
+    steps0 = len(sim.steps.start)
+    t0 = time.perf_counter()
+    sim.run_until(warmup + seconds)
+    wall = time.perf_counter() - t0
+    steps = len(sim.steps.start) - steps0
+    return {
+        "sim_per_wall": seconds / wall,
+        "sim_per_wall_from_empty": (warmup + seconds) / (time.perf_counter() - t_start),
+        "steps_per_s": steps / wall,
+        "running": float(sim.steps.running[-1]),
+        "wall_s": wall,
+    }
+
+
+def radix_ops(n: int = 20_000) -> float:
+    """match_prefix + insert + inc/dec_lock_ref cycles per second on a pool that must evict."""
+    rng = random.Random(0)
+    alloc = TokenToKVPoolAllocator(200_000)
+    tree = RadixCache(alloc)
+    prefixes = [tuple(rng.randrange(1 << 17) for _ in range(200)) for _ in range(16)]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        key = prefixes[rng.randrange(16)] + tuple(rng.randrange(1 << 17) for _ in range(50))
+        m = tree.match_prefix(key)
+        tree.inc_lock_ref(m.last_device_node)
+        need = len(key) - len(m.device_indices)
+        tree.evict_to_free_tokens(need)
+        slots = alloc.alloc(need)
+        assert slots is not None
+        done = tree.insert(key, m.device_indices + slots)
+        if done > len(m.device_indices):
+            alloc.free((m.device_indices + slots)[len(m.device_indices) : done])
+        tree.dec_lock_ref(m.last_device_node)
+    return 4 * n / (time.perf_counter() - t0)  # four tree operations per cycle
+
+
+def block_pool_ops(n: int = 20_000) -> float:
+    """get_new_blocks + cache_full_blocks + touch + free_blocks cycles per second."""
+    pool = BlockPool(20_001)
+    reqs = [Request(SimRequest(f"r{i}", 0.0, tuple(range(i, i + 64)), 1, 1), 16) for i in range(64)]
+    t0 = time.perf_counter()
+    for i in range(n):
+        req = reqs[i % 64]
+        hit = [b for b in (pool.get_cached_block(h) for h in req.block_hashes[:2]) if b is not None]
+        pool.touch(hit)
+        blocks = hit + pool.get_new_blocks(4 - len(hit))
+        pool.cache_full_blocks(req, blocks, len(hit), 4, 16)
+        pool.free_blocks(reversed(blocks))
+    return 4 * n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="simulated seconds timed (default 60)")
+    p.add_argument("--warmup", type=float, default=40.0, help="simulated seconds before timing (default 40)")
+    p.add_argument("--engine", action="append", choices=("sglang", "vllm"), help="engine(s) to time (default both)")
+    p.add_argument("--step-by-step", action="store_true", help="no fast-forward of identical decode steps")
+    args = p.parse_args()
+    out: dict[str, object] = {"pool_tokens": POOL_TOKENS, "rate": RATE}
+    for engine in args.engine or ("sglang", "vllm"):
+        r = engine_speed(engine, args.warmup, args.seconds, fast_forward=not args.step_by_step)
+        out[engine] = r
+        print(
+            f"{engine}: {r['sim_per_wall']:.1f} simulated s per wall s in steady state ({r['steps_per_s']:.0f} steps/s, "
+            f"{r['running']:.0f} running), {r['sim_per_wall_from_empty']:.1f} from an empty pool"
+        )
+    out["radix_ops_per_s"] = radix_ops()
+    out["block_pool_ops_per_s"] = block_pool_ops()
+    print(f"radix tree: {out['radix_ops_per_s']:,.0f} ops/s; block pool: {out['block_pool_ops_per_s']:,.0f} ops/s")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Labelled scenarios: one deployment, one workload per data-parallel engine, both engines.
+
+Every verdict kvdiag gives needs a case where the answer is known from the mechanism, not
+from the checks' thresholds. A ``Scenario`` fixes a model/GPU preset and a pool small enough to
+simulate in seconds, the load, the engine knobs that matter to the story (admission caps, an L2
+tier, a restart) and a duration; ``ScenarioRun`` runs it on either reference engine and renders
+what a scrape of that server would show at any simulated moment. What the simulator knew (was
+admission blocked on L1, evictions, TTFTs) is read back from each ``Simulation`` by
+``validate.py``, which derives the expected verdict from it.
+
+The pool is a real deployment's: Llama-3-70B bf16 on two H100s (TP 2) at a 0.9 memory fraction
+leaves about 6 GB of KV per GPU, ~39k tokens. Small pools hold few requests, so a run is fast,
+and the step time (one 70B decode step ≈ 16 ms) keeps the step count per simulated second low.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Mapping
+
+from kvdiag import capacity
+from kvdiag.model import Scrape
+from kvdiag.refpool import emit
+from kvdiag.refpool.emit import content_type
+from kvdiag.refpool.roofline import Roofline
+from kvdiag.refpool.sglang.scheduler import SGLangScheduler
+from kvdiag.refpool.sim import EPOCH, Simulation
+from kvdiag.refpool.types import EngineScheduler, KVStore
+from kvdiag.refpool.vllm.scheduler import VLLMScheduler
+from kvdiag.refpool.workload import Arrivals, Fixed, LogNormal, Periodic, Poisson, Ramp, SharedPrefix, Uniform, Workload
+
+ENGINES = ("sglang", "vllm")
+BLOCK_SIZE = 16  # vLLM's default
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Model, GPU and TP of every scenario, and the KV pool that leaves per GPU."""
+
+    model: str = "llama-3-70b"
+    gpu: str = "h100"
+    tp: int = 2
+    mem_fraction: float = 0.9
+    served_model: str = "meta-llama/Meta-Llama-3-70B-Instruct"  # the model_name label
+
+    @property
+    def pool_tokens(self) -> int:
+        """Pool tokens per GPU as ``kvdiag capacity`` computes them (weights out of the static
+        fraction), so the simulated pool is the one the capacity command predicts."""
+        spec = capacity.model(self.model)
+        gpu = capacity.GPUS[self.gpu]
+        pool_bytes, _ = capacity.pool_from_memory(spec, self.tp, gpu.memory_bytes, self.mem_fraction, spec.weight_bytes(2))
+        return pool_bytes // spec.kv_bytes_per_token_per_gpu(2, self.tp)
+
+    def roofline(self) -> Roofline:
+        return Roofline(self.model, self.gpu, tp=self.tp)
+
+
+LLAMA70_TP2 = Deployment()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A story with its knobs. ``intent`` is the label the story is built to produce; the
+    expected label itself is derived from the run's ground truth (``validate.truth_label``),
+    and a test holds the two equal so a scenario cannot silently stop telling its story."""
+
+    name: str
+    story: str
+    intent: tuple[str, ...]  # per DP engine
+    workloads: tuple[Workload, ...]  # one per DP engine (DP = len)
+    duration: float
+    intent_by_engine: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # where an engine's story ends differently
+    workloads_by_engine: Mapping[str, tuple[Workload, ...]] = field(default_factory=dict)  # where an engine needs its own load
+    max_running: int | None = None  # SGLang --max-running-requests / vLLM --max-num-seqs
+    l2_ratio: float | None = None  # host tier = ratio x L1 (HiCache / CPU offloading); None: off
+    sglang_write_policy: str = "write_through"
+    sglang_conservativeness: float = 1.0  # --schedule-conservativeness (scales new_token_ratio)
+    restart_at: float | None = None
+    deployment: Deployment = LLAMA70_TP2
+
+    @property
+    def dp(self) -> int:
+        return len(self.workloads)
+
+    def intent_for(self, engine: str) -> tuple[str, ...]:
+        return self.intent_by_engine.get(engine, self.intent)
+
+    def workloads_for(self, engine: str) -> tuple[Workload, ...]:
+        return self.workloads_by_engine.get(engine, self.workloads)
+
+
+def make_scheduler(scenario: Scenario, engine: str, store: KVStore | None = None) -> Callable[[], EngineScheduler]:
+    """A factory of fresh engines for ``scenario`` (called again on restart)."""
+    pool = scenario.deployment.pool_tokens
+    if engine == "sglang":
+        return lambda: SGLangScheduler(
+            max_total_num_tokens=pool,
+            max_running_requests=scenario.max_running,
+            enable_hierarchical_cache=scenario.l2_ratio is not None,
+            hicache_ratio=scenario.l2_ratio or 2.0,
+            hicache_write_policy=scenario.sglang_write_policy,
+            schedule_conservativeness=scenario.sglang_conservativeness,
+            store=store,
+        )
+    if engine == "vllm":
+        blocks = pool // BLOCK_SIZE + 1
+        return lambda: VLLMScheduler(
+            num_gpu_blocks=blocks,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=scenario.max_running or 1024,
+            kv_offloading_blocks=int((blocks - 1) * scenario.l2_ratio) if scenario.l2_ratio else 0,
+            store=store,
+        )
+    raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+
+
+@dataclass
+class ScenarioRun:
+    """One scenario on one engine: a ``Simulation`` per DP engine, advanced together.
+
+    ``advance(t)`` runs every engine to simulated ``t`` (restarting them when the scenario
+    says); ``exposition()`` is the server's /metrics body (DP engines in one body, as both
+    engines serve them); ``scrape()`` wraps it as a recording line stamped in simulated epoch
+    seconds."""
+
+    scenario: Scenario
+    engine: str
+    store: KVStore | None = None
+    target: str = ""
+    fast: bool = True  # take runs of identical decode steps at once (exact; see types.DecodeRun)
+    sims: list[Simulation] = field(init=False)
+
+    def __post_init__(self) -> None:
+        make = make_scheduler(self.scenario, self.engine, self.store)
+        roofline = self.scenario.deployment.roofline()
+        self.sims = [
+            Simulation(make, wl.requests(), roofline.step_time, batch_time=roofline.batch_seconds if self.fast else None)
+            for wl in self.scenario.workloads_for(self.engine)
+        ]
+        self.target = self.target or f"sim://{self.engine}/{self.scenario.name}"
+        self._restart_pending = self.scenario.restart_at
+
+    @property
+    def now(self) -> float:
+        return min(s.now for s in self.sims)
+
+    def advance(self, t: float) -> None:
+        if self._restart_pending is not None and t >= self._restart_pending:
+            for sim in self.sims:
+                sim.run_until(self._restart_pending)
+                sim.restart()
+            self._restart_pending = None
+        for sim in self.sims:
+            sim.run_until(t)
+
+    def exposition(self, dialect: str | None = None, openmetrics: bool = False) -> str:
+        with contextlib.ExitStack() as stack:
+            for sim in self.sims:
+                stack.enter_context(sim.lock)
+            states = [sim.state() for sim in self.sims]
+            return emit.render(
+                self.engine, states, dialect=dialect, openmetrics=openmetrics, escape=openmetrics,
+                model=self.scenario.deployment.served_model,
+            )  # fmt: skip
+
+    def scrapes(self, interval: float, dialect: str | None = None, until: float | None = None) -> Iterator[tuple[float, Scrape]]:
+        """(simulated t, scrape) every ``interval`` simulated seconds up to ``until`` (default:
+        the scenario's duration)."""
+        end = self.scenario.duration if until is None else until
+        k = 1
+        while k * interval <= end + 1e-9:
+            t = k * interval
+            self.advance(t)
+            yield t, Scrape(EPOCH + t, self.target, content_type(False), self.exposition(dialect))
+            k += 1
+
+
+# ---------------------------------------------------------------- the catalogue
+def _chat(arrivals: Arrivals, seed: int = 1) -> Workload:
+    """Chat-like requests (~1k-token prompts, 70 % of them one of 4 system prompts, ~150-token
+    answers, max_new_tokens = the answer's length): the seed's load."""
+    return Workload(arrivals, LogNormal(1000, 0.4, hi=4000), LogNormal(150, 0.5, hi=600), prefix=SharedPrefix(4, 0.7), seed=seed)
+
+
+SATURATION_RAMP = Ramp(((0.0, 1.0), (20.0, 1.0), (60.0, 14.0)))
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "l1-saturation",
+            "The seed's story: shared-prefix load ramps from 1 to 14 req/s (20-60 s) until L1 saturates; admission "
+            "blocks on KV, the queue grows, running requests are evicted and recomputed, P99 TTFT "
+            "collapses, the hit ratio stays high and the L2 tier (on, selective write-through) stays mostly empty. "
+            "SGLang's admission reserve (new_token_ratio) keeps it from retracting at this load: admission "
+            "blocks on KV without recompute.",
+            ("l1_kv_bottleneck",),
+            (_chat(SATURATION_RAMP),),
+            duration=330.0,
+            intent_by_engine={"sglang": ("l1_kv_pressure",)},
+            l2_ratio=64.0,
+            sglang_write_policy="write_through_selective",
+        ),
+        Scenario(
+            "near-capacity",
+            "Fixed-size requests arriving like clockwork hold the pool at ~97 % with no backlog and no "
+            "eviction: at capacity, not yet limiting. SGLang cannot be held there: its admission keeps "
+            "room for the running requests' reserved output (new_token_ratio) and for the next request's "
+            "whole max_new_tokens, so its highest stable load leaves the pool ~20 % free and is healthy.",
+            ("near_kv_capacity",),
+            (Workload(Periodic(9.75), Fixed(100), Fixed(400), seed=3),),
+            duration=330.0,
+            intent_by_engine={"sglang": ("healthy",)},
+            workloads_by_engine={"sglang": (Workload(Periodic(6.5), Uniform(50, 150), Uniform(300, 500), seed=3),)},
+        ),
+        Scenario(
+            "sequence-cap",
+            "max_running_requests / max_num_seqs = 8 caps concurrency while the pool has room: the queue "
+            "grows with L1 mostly free.",
+            ("queue_without_kv_pressure",),
+            (_chat(Poisson(4.0)),),
+            duration=300.0,
+            max_running=8,
+        ),
+        Scenario(
+            "cold-compute",
+            "Unique ~3k-token prompts with one-token answers (scoring, classification) arrive faster than "
+            "prefill compute can process them: a cold cache, a compute-bound queue, and a pool with room.",
+            ("queue_without_kv_pressure",),
+            (Workload(Poisson(3.2), LogNormal(3000, 0.3, hi=8000), Fixed(1), seed=5),),
+            duration=300.0,
+        ),
+        Scenario(
+            "l2-helps",
+            "24 long system prompts that do not all fit L1 beside the running requests: the L2 tier keeps "
+            "the evicted ones and loads them back (against the same run without L2: mean TTFT -35 % in the "
+            "light phase, -11 % overall), but admission still counts L1 only, so under overload P99 TTFT "
+            "stays ~15x the SLO (L2 trims it by ~10 %): L1 is the bottleneck.",
+            ("l1_kv_bottleneck",),
+            (Workload(Ramp(((0.0, 2.0), (40.0, 2.0), (100.0, 12.0))), LogNormal(2000, 0.3, hi=6000), LogNormal(120, 0.5, hi=500),
+                      prefix=SharedPrefix(24, 0.8), seed=7),),
+            duration=330.0,
+            l2_ratio=2.0,
+        ),
+        Scenario(
+            "restart",
+            "A burst evicts requests early, the load then drops, and the engine restarts mid-run: every "
+            "counter restarts from zero, which must not read as new evictions.",
+            ("healthy",),
+            (_chat(Ramp(((0.0, 16.0), (25.0, 16.0), (26.0, 2.0)))),),
+            duration=360.0,
+            restart_at=220.0,
+        ),
+        Scenario(
+            "dp2-one-hot",
+            "Data parallelism 2 with an unbalanced router: engine 0 takes an overload and saturates its L1, "
+            "engine 1 idles along. Two instances, two verdicts.",
+            ("l1_kv_bottleneck", "healthy"),
+            (_chat(SATURATION_RAMP), _chat(Poisson(1.0), seed=12)),
+            duration=330.0,
+            intent_by_engine={"sglang": ("l1_kv_pressure", "healthy")},
+        ),
+    )
+}
+
+
+def get(name: str, mem_fraction: float | None = None) -> Scenario:
+    """A scenario by name; ``mem_fraction`` re-sizes its pool (the deployment's static memory
+    fraction), to replay a story on a tighter or roomier L1."""
+    try:
+        scenario = SCENARIOS[name]
+    except KeyError:
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+    if mem_fraction is None:
+        return scenario
+    return replace(scenario, deployment=replace(scenario.deployment, mem_fraction=mem_fraction))

@@ -1,0 +1,59 @@
+"""Runs of identical decode steps taken at once on the SGLang reference scheduler.
+
+A decode iteration of ``SGLangScheduler`` with no prefill to form (empty queue, or the
+``batch_is_full`` latch refusing it before any radix match), no request finishing, no report
+due and enough free slots (no eviction, no free-list merge) only appends one token and one slot
+per running request and decays the new-token ratio. ``k`` such iterations are that, ``k`` times,
+in the same order: slots are popped step by step, request by request, so request ``i`` of ``n``
+gets slots ``i, i + n, i + 2n, ...`` of one ``alloc(n * k)``. Accounting-only runs with page size 1
+(no KV bytes to write, no page tails to fill); anything else takes the normal path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvdiag.refpool.types import DecodeRun
+
+if TYPE_CHECKING:
+    from kvdiag.refpool.sglang.scheduler import SGLangScheduler
+
+
+def decode_run(s: SGLangScheduler) -> DecodeRun | None:
+    if s.debug or s.moves_bytes or s.page_size != 1 or s.chunked_req is not None or s.last_batch or s._aborted:
+        return None
+    queued = bool(s.waiting_queue)
+    if queued and not s.batch_is_full:
+        return None  # the next step tries admission (radix matches move LRU times)
+    batch = s.running_batch
+    if not batch:
+        return None
+    n = len(batch)
+    steps_to_report = s.decode_log_interval - s.forward_ct_decode % s.decode_log_interval
+    k = min(steps_to_report, len(s.allocator.free_pages) // n + 1)
+    for r in batch:
+        if r.finished:
+            return None  # the next step filters the batch (and may reset the latch)
+        k = min(k, min(r.sim.output_len, r.max_new_tokens) - len(r.sim.output))  # the k-th step finishes r
+    k -= 1
+    if k < 2:
+        return None
+    on_kv = queued and s._batch_full_on_kv
+    return DecodeRun(k, n, sum(len(r.kv_indices) for r in batch), on_kv, queued and not on_kv)
+
+
+def advance_decode(s: SGLangScheduler, steps: int) -> list[int]:
+    batch = s.running_batch
+    n = len(batch)
+    used = s.max_total_num_tokens - s.allocator.available_size() - s.tree_cache.evictable_size()
+    slots = s.allocator.alloc(n * steps)  # page size 1: the same slots as n * steps alloc(1) calls
+    assert slots is not None, "decode_run promised free slots"
+    for i, req in enumerate(batch):
+        req.kv_indices.extend(slots[i::n])
+        sim = req.sim
+        for _ in range(steps):
+            sim.output.append(sim.next_token())
+    for _ in range(steps):
+        s.ratio.decay_step()
+    s.forward_ct_decode += steps
+    return [used + n * (j + 1) for j in range(steps)]
