@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Debian packages the tests use as real parts: Prometheus + promtool and Alertmanager (rules,
-# dashboard queries, alert delivery) and Chromium (pages, HTML report). Installs only what is
-# missing; needs root and apt-get (as on the project's machines and in CI).
+# dashboard queries, alert delivery), Chromium (pages, HTML report) and docker-compose (validates
+# docker-compose.yml; no container engine needed). Installs only what is missing; needs root and
+# apt-get (as on the project's machines and in CI).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

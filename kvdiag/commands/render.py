@@ -1,10 +1,12 @@
 """``kvdiag render``: write the monitoring mixin generated from the checklist's catalog.
 
 Writes ``rules/`` (recording + alerting rules), ``dashboards/`` (Grafana JSON),
-``deploy/grafana/provisioning/alerting/`` (Grafana-managed alerts) and ``docs/runbooks.md``.
+``deploy/grafana/provisioning/alerting/`` (Grafana-managed alerts), ``docs/runbooks.md`` and
+``deploy/kubernetes/prometheusrule.yaml`` (the rules as a Prometheus Operator object).
 ``--check`` writes nothing and exits 1 listing the files that differ from a fresh render (the
 CI guard against hand edits and forgotten regenerations, like vLLM's dashboard ``--check``).
-Thresholds come from the same config as ``diagnose`` (``--config``, ``--set``).
+Thresholds come from the same config as ``diagnose`` (``--config``, ``--set``); ``--for
+SEVERITY=DURATION`` changes how long alerts of a severity (or the ``absent`` guard) wait.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from kvdiag.config import ConfigError, resolve
 from kvdiag.render import render_all
 from kvdiag.render.grafana_alerts import DATASOURCE_UID
-from kvdiag.render.rules import Links
+from kvdiag.render.rules import FOR_DEFAULTS, Links, for_durations
 
 EXIT_STALE = 1
 EXIT_ERROR = 3
@@ -32,16 +34,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--grafana-url", default=Links.grafana_base, help="dashboard_url prefix, e.g. https://grafana.example.org")
     p.add_argument("--grafana-datasource-uid", default=DATASOURCE_UID,
                    help="uid of the Prometheus data source the Grafana-managed alerts query (default: %(default)s)")
+    p.add_argument("--for", dest="for_", action="append", default=[], metavar="KEY=DURATION",
+                   help="how long an alert's condition must hold before it fires, by severity or for the metrics-absent "
+                        "guard (repeatable; defaults: " + ", ".join(f"{k}={v}" for k, v in FOR_DEFAULTS.items()) + ")")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         config = resolve(args.config, args.set)
-    except ConfigError as exc:
+        for_by = for_durations(args.for_)
+    except ValueError as exc:  # a ConfigError is one too
         print(f"kvdiag render: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid)
+    files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid, for_by=for_by)
     root = Path(args.out)
     if args.check:
         stale = [p for p, text in files.items() if not (root / p).exists() or (root / p).read_text(encoding="utf-8") != text]

@@ -1,4 +1,5 @@
-"""The monitoring mixin: rules, alerts, dashboards and runbooks rendered from the checklist.
+"""The monitoring mixin: rules, alerts, dashboards, runbooks and the Kubernetes PrometheusRule,
+rendered from the checklist.
 
 ``render_all`` returns every generated file (repository-relative path -> text); ``kvdiag
 render`` writes them and ``kvdiag render --check`` compares them with the committed ones.
@@ -6,14 +7,17 @@ render`` writes them and ``kvdiag render --check`` compares them with the commit
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from kvdiag.config import Config
-from kvdiag.render import dashboards, grafana_alerts, rules, runbooks
+from kvdiag.render import dashboards, grafana_alerts, kubernetes, rules, runbooks
 from kvdiag.render.promql import Labels
 
 RULES_RECORDING = "rules/kvdiag-recording.yaml"
 RULES_ALERTS = "rules/kvdiag-alerts.yaml"
 GRAFANA_ALERTS = "deploy/grafana/provisioning/alerting/kvdiag-alerts.yaml"
 RUNBOOKS = "docs/runbooks.md"
+PROMETHEUS_RULE = "deploy/kubernetes/prometheusrule.yaml"
 
 
 def render_all(
@@ -21,13 +25,16 @@ def render_all(
     links: rules.Links = rules.Links(),
     lbl: Labels = Labels(),
     datasource_uid: str = grafana_alerts.DATASOURCE_UID,
+    for_by: Mapping[str, str] = rules.FOR_DEFAULTS,
 ) -> dict[str, str]:
+    """``for_by``: each alert's ``for:`` by severity and ``absent`` (``rules.for_durations``)."""
     files = {
         RULES_RECORDING: rules.recording_file(config, lbl),
-        RULES_ALERTS: rules.alert_file(config, links, lbl),
-        GRAFANA_ALERTS: grafana_alerts.provisioning_file(config, links, lbl, datasource_uid),
-        RUNBOOKS: runbooks.render(config),
+        RULES_ALERTS: rules.alert_file(config, links, lbl, for_by),
+        GRAFANA_ALERTS: grafana_alerts.provisioning_file(config, links, lbl, datasource_uid, for_by),
+        RUNBOOKS: runbooks.render(config, for_by),
     }
+    files[PROMETHEUS_RULE] = kubernetes.prometheus_rule(files[RULES_RECORDING], files[RULES_ALERTS])
     for stem, d in dashboards.dashboards(config, lbl).items():
         files[f"dashboards/{stem}.json"] = dashboards.to_json(d, lbl)
     return files

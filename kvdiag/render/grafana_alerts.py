@@ -10,9 +10,11 @@ are one click away on the linked dashboard.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from kvdiag.config import Config
 from kvdiag.render.promql import Labels
-from kvdiag.render.rules import HEADER, Alert, Links, alerts, dashboard_url, dump, runbook_url
+from kvdiag.render.rules import FOR_DEFAULTS, HEADER, Alert, Links, alerts, dashboard_url, dump, runbook_url
 
 FOLDER = "kvdiag"
 GROUP = "kvdiag"
@@ -67,12 +69,18 @@ def _rule(a: Alert, config: Config, links: Links, lbl: Labels, datasource_uid: s
     }
 
 
-def provisioning_file(config: Config, links: Links = Links(), lbl: Labels = Labels(), datasource_uid: str = DATASOURCE_UID) -> str:
+def provisioning_file(
+    config: Config,
+    links: Links = Links(),
+    lbl: Labels = Labels(),
+    datasource_uid: str = DATASOURCE_UID,
+    for_by: Mapping[str, str] = FOR_DEFAULTS,
+) -> str:
     group = {
         "orgId": 1,
         "name": GROUP,
         "folder": FOLDER,
         "interval": "1m",
-        "rules": [_rule(a, config, links, lbl, datasource_uid) for a in alerts(config, lbl)],
+        "rules": [_rule(a, config, links, lbl, datasource_uid) for a in alerts(config, lbl, for_by)],
     }
     return HEADER + dump({"apiVersion": 1, "groups": [group]})

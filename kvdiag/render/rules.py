@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import product
+from typing import Iterable, Mapping
 
 import yaml
 
 from kvdiag.checks.catalog import CHECKS, DECISION_TABLE, FINDINGS, SERIES, SIGNALS, VERDICTS, check_expr
 from kvdiag.checks.verdict import decide
-from kvdiag.config import Config
+from kvdiag.config import Config, parse_duration, prom_duration
 from kvdiag.model import CheckResult, Evidence
 from kvdiag.render.dashboards import INSTANCE_SLUG, INSTANCE_UID
 from kvdiag.render.normalize import Recording, recordings, series_name
@@ -35,6 +36,28 @@ from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
 FOR_BY_SEVERITY = {"critical": "2m", "warning": "5m", "info": "10m"}
 #: The absent()-style guard waits longer: a target that restarts is briefly without series.
 ABSENT_FOR = "10m"
+#: Every ``for:`` the alerts use, keyed by severity and ``absent`` (the guard above): what
+#: ``kvdiag render --for KEY=DURATION`` overrides.
+FOR_DEFAULTS = {**FOR_BY_SEVERITY, "absent": ABSENT_FOR}
+
+
+def for_durations(overrides: Iterable[str]) -> dict[str, str]:
+    """``FOR_DEFAULTS`` with ``KEY=DURATION`` overrides applied (``critical=5m``, ``absent=1h``).
+
+    Teams page on different clocks, and tests on a real Prometheus cannot wait minutes for an
+    alert to leave ``pending``; the defaults stay what the committed files hold. A bare number is
+    seconds; every duration is written back as a Prometheus literal (``90`` -> ``90s``, ``120s``
+    -> ``2m``). ValueError names a bad key or duration."""
+    out = dict(FOR_DEFAULTS)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in FOR_DEFAULTS:
+            raise ValueError(f"--for {item!r}: expected KEY=DURATION with KEY one of {', '.join(FOR_DEFAULTS)}")
+        seconds = parse_duration(raw)
+        if seconds <= 0:
+            raise ValueError(f"--for {item!r}: the duration must be positive")
+        out[key] = prom_duration(seconds)
+    return out
 
 
 @dataclass(frozen=True)
@@ -140,8 +163,9 @@ def _values(config: Config, names: tuple[str, ...]) -> tuple[tuple[str, str, str
     return tuple((DESCRIBED[n][0].format(quantile=quantile), _series(n, config), DESCRIBED[n][1]) for n in names)
 
 
-def alerts(config: Config, lbl: Labels = Labels()) -> list[Alert]:
-    """Every alert the catalog names, in catalog order (verdicts, then findings)."""
+def alerts(config: Config, lbl: Labels = Labels(), for_by: Mapping[str, str] = FOR_DEFAULTS) -> list[Alert]:
+    """Every alert the catalog names, in catalog order (verdicts, then findings); ``for_by``
+    gives each ``for:`` by severity and ``absent`` (see ``for_durations``)."""
     out = []
     for v in VERDICTS.values():
         if v.alert is None:
@@ -158,11 +182,11 @@ def alerts(config: Config, lbl: Labels = Labels()) -> list[Alert]:
                 "a signal the decision table needs is not reported, and the answer depends on it "
                 "(or no engine reports scheduler metrics at all)"
             )
-            out.append(Alert(v.alert, v.severity, expr, ABSENT_FOR, v.summary, meaning, _values(config, CAPACITY_VALUES), "absent", v.name, v.remedies))
+            out.append(Alert(v.alert, v.severity, expr, for_by["absent"], v.summary, meaning, _values(config, CAPACITY_VALUES), "absent", v.name, v.remedies))
             continue
         terms = [f"({_pattern_expr(p, lbl)})" for p in _patterns(v.name, config)]
         meaning = "; or ".join(r.meaning for r in DECISION_TABLE if r.verdict == v.name)
-        out.append(Alert(v.alert, v.severity, _not_idle("\nor ".join(terms), config, lbl), FOR_BY_SEVERITY[v.severity],
+        out.append(Alert(v.alert, v.severity, _not_idle("\nor ".join(terms), config, lbl), for_by[v.severity],
                          v.summary, meaning, _values(config, tuple(DESCRIBED)), "verdict", v.name, v.remedies))
     for f in FINDINGS.values():
         if f.alert is None:
@@ -173,7 +197,7 @@ def alerts(config: Config, lbl: Labels = Labels()) -> list[Alert]:
                 f"({_pattern_expr(p, lbl)})" for v in f.verdicts for p in _patterns(v, config)) + ")")
         titles = {c.name: c.title for c in CHECKS}
         meaning = " and ".join(titles[c] for c in f.all_of) + "".join(f", not {titles[c]}" for c in f.none_of)
-        out.append(Alert(f.alert, f.severity, _not_idle(" ".join(parts), config, lbl), FOR_BY_SEVERITY[f.severity],
+        out.append(Alert(f.alert, f.severity, _not_idle(" ".join(parts), config, lbl), for_by[f.severity],
                          f.summary, meaning, _values(config, LATENCY_VALUES), "finding", f.name, f.remedies))
     return out
 
@@ -266,9 +290,9 @@ def _recording(r: Recording) -> dict:
     return out
 
 
-def alert_file(config: Config, links: Links = Links(), lbl: Labels = Labels()) -> str:
+def alert_file(config: Config, links: Links = Links(), lbl: Labels = Labels(), for_by: Mapping[str, str] = FOR_DEFAULTS) -> str:
     rules = []
-    for a in alerts(config, lbl):
+    for a in alerts(config, lbl, for_by):
         rules.append({
             "alert": a.name,
             "expr": a.expr,

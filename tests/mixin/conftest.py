@@ -16,7 +16,7 @@ def need(binary: str) -> str:
     """The path of a system binary the test needs; a clear skip (a failure under CI) if absent."""
     path = shutil.which(binary)
     if path is None:
-        msg = f"{binary} is not installed (make system-deps installs the Debian prometheus package)"
+        msg = f"{binary} is not installed (`make system-deps` installs it from Debian)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg)
         pytest.skip(msg)

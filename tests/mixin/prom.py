@@ -2,7 +2,8 @@
 
 Started on 127.0.0.1 with a temporary data directory, a 1 s scrape and evaluation interval,
 the given rule files and static loopback targets; queried over its HTTP API. Every wait is
-bounded and says what it waited for when it gives up.
+bounded and says what it waited for when it gives up. ``Process`` (any server on loopback,
+ready when a URL answers 200) is what the deploy tests run the compose stack's services with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import requests
 import yaml
 
 T = TypeVar("T")
+P = TypeVar("P", bound="Process")
 
 
 def free_port() -> int:
@@ -25,49 +27,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Prometheus:
-    def __init__(self, binary: str, workdir: Path, rule_files: list[Path], jobs: dict[str, str]) -> None:
-        self.binary = binary
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
-            "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [url.split("//", 1)[1]]}]} for job, url in jobs.items()
-            ],
-        }
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = (workdir / "prometheus.log").open("w")
+class Process:
+    """A command serving on loopback, its output in ``log``; ready once ``ready_url`` answers
+    200. ``stop`` terminates it and waits (kill after 15 s), so nothing outlives a test."""
+
+    def __init__(self, argv: list[str], log: Path, ready_url: str) -> None:
+        self.argv = argv
+        self.log_path = log
+        self.ready_url = ready_url
+        self.log = log.open("w")
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30.0) -> "Prometheus":
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                f"--config.file={self.workdir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--storage.tsdb.retention.time=1h",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.wait(lambda: self._ready(), timeout, "Prometheus to become ready")
+    def start(self: P, timeout: float = 30.0) -> P:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait(self._ready, timeout, f"{Path(self.argv[0]).name} to answer {self.ready_url}")
         return self
 
     def _ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.logs()}")
+            raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}:\n{self.logs()}")
         try:
-            return requests.get(self.url + "/-/ready", timeout=1).status_code == 200
+            return requests.get(self.ready_url, timeout=1).status_code == 200
         except requests.ConnectionError:
             return False
 
     def logs(self) -> str:
         self.log.flush()
-        return (self.workdir / "prometheus.log").read_text()[-4000:]
+        return self.log_path.read_text()[-4000:]
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -79,16 +65,6 @@ class Prometheus:
                 self.proc.wait()
         self.log.close()
 
-    def api(self, path: str, **params: str) -> dict:
-        r = requests.get(self.url + "/api/v1/" + path, params=params, timeout=10)
-        body = r.json()
-        if body.get("status") != "success":
-            raise AssertionError(f"{path} {params}: {body.get('error', body)}")
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        return self.api("query", query=expr)["result"]
-
     @staticmethod
     def wait(predicate: Callable[[], T], timeout: float, what: str, every: float = 0.5) -> T:
         deadline = time.monotonic() + timeout
@@ -99,3 +75,36 @@ class Prometheus:
             if time.monotonic() > deadline:
                 raise AssertionError(f"gave up after {timeout:.0f}s waiting for {what}")
             time.sleep(every)
+
+
+class Prometheus(Process):
+    def __init__(self, binary: str, workdir: Path, rule_files: list[Path], jobs: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": [url.split("//", 1)[1]]}]} for job, url in jobs.items()
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        argv = [
+            binary,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1h",
+        ]
+        super().__init__(argv, workdir / "prometheus.log", self.url + "/-/ready")
+
+    def api(self, path: str, **params: str) -> dict:
+        r = requests.get(self.url + "/api/v1/" + path, params=params, timeout=10)
+        body = r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{path} {params}: {body.get('error', body)}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.api("query", query=expr)["result"]

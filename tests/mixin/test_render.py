@@ -13,8 +13,9 @@ from kvdiag.checks.catalog import FINDINGS, SERIES, VERDICTS
 from kvdiag.cli import main
 from kvdiag.config import Config
 from kvdiag.engines import known_metrics
-from kvdiag.render import GRAFANA_ALERTS, RULES_ALERTS, RULES_RECORDING, RUNBOOKS, render_all
+from kvdiag.render import GRAFANA_ALERTS, PROMETHEUS_RULE, RULES_ALERTS, RULES_RECORDING, RUNBOOKS, render_all
 from kvdiag.render.normalize import series_name
+from kvdiag.render.rules import FOR_DEFAULTS, for_durations
 from tests.conftest import EXPECTED_ALERTS
 from tests.mixin.conftest import ROOT
 
@@ -169,3 +170,20 @@ def test_dashboards_are_grafana_10_with_the_variables_and_stable_ids() -> None:
 def test_thresholds_from_the_config_reach_the_rules() -> None:
     files = render_all(Config(saturated_usage=0.9, window=600.0))
     assert ">= 0.9" in files[RULES_RECORDING] and "instance:kvdiag_evictions:rate10m" in files[RULES_RECORDING]
+
+
+def test_for_overrides_reach_every_rendering_and_default_to_the_committed_ones() -> None:
+    assert for_durations([]) == FOR_DEFAULTS
+    files = render_all(for_by=for_durations(["critical=5s", "absent=90"]))
+    fors = {r["alert"]: r["for"] for g in yaml.safe_load(files[RULES_ALERTS])["groups"] for r in g["rules"]}
+    assert fors["KvdiagL1KVPoolBottleneck"] == "5s" and fors["KvdiagEngineMetricsAbsent"] == "90s"
+    assert fors["KvdiagL1KVPoolPressure"] == FOR_DEFAULTS["warning"]
+    grafana = {r["title"]: r["for"] for g in yaml.safe_load(files[GRAFANA_ALERTS])["groups"] for r in g["rules"]}
+    assert grafana == fors
+    assert "after `for: 5s`" in files[RUNBOOKS]
+    rule = yaml.safe_load(files[PROMETHEUS_RULE])["spec"]["groups"]
+    assert rule[-1] == yaml.safe_load(files[RULES_ALERTS])["groups"][0]
+    for bad in ("page=5s", "critical", "critical=0s", "critical=soon"):
+        with pytest.raises(ValueError):
+            for_durations([bad])
+    assert main(["render", "--out", "/nonexistent", "--check", "--for", "page=1m"]) == 3
