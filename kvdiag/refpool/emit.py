@@ -219,6 +219,10 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
     def per_rank(fn) -> list[tuple[dict[str, str], float]]:
         return [(sched(i, r), fn(s)) for i, s in enumerate(states) for r in range(tp)]
 
+    def by_mode(modes) -> list[tuple[dict[str, str], float, float]]:
+        """A counter split by ``mode`` on every rank: ``modes(state)`` gives (mode, value) pairs."""
+        return [({**sched(i, r), "mode": m}, val, s.created) for i, s in enumerate(states) for r in range(tp) for m, val in modes(s)]
+
     P = "sglang:"
     if v >= (0, 5, 6):
         w.gauge(P + "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", per_rank(lambda s: s.capacity_tokens))
@@ -251,32 +255,22 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
         w.counter(
             P + "realtime_tokens",
             "Total number of tokens processed (updated on each log interval). mode: prefill_compute, prefill_cache, decode.",
-            [
-                ({**sched(i, r), "mode": mode}, val, s.created)
-                for i, s in enumerate(states)
-                for r in range(tp)
-                for mode, val in (
-                    ("prefill_compute", s.prompt_tokens_total - s.prefix_hit_tokens_total),
-                    ("prefill_cache", s.prefix_hit_tokens_total),
-                    ("decode", s.generation_tokens_total),
-                )
-            ],
+            by_mode(lambda s: (
+                ("prefill_compute", s.prompt_tokens_total - s.prefix_hit_tokens_total),
+                ("prefill_cache", s.prefix_hit_tokens_total),
+                ("decode", s.generation_tokens_total),
+            )),
         )
     if v >= (0, 5, 20):
         w.counter(
             P + "prefill_effective_tokens",
             "Effective prefill tokens with retracted-request re-counts excluded, updated on each log interval.",
-            [
-                ({**sched(i, r), "mode": mode}, val, s.created)
-                for i, s in enumerate(states)
-                for r in range(tp)
-                for mode, val in (
-                    ("input", s.prompt_tokens_total - s.prefix_hit_tokens_total - s.l2_hit_tokens_total),
-                    ("device_hit", s.prefix_hit_tokens_total),
-                    ("host_hit", s.l2_hit_tokens_total),
-                    ("storage_hit", 0),
-                )
-            ],
+            by_mode(lambda s: (
+                ("input", s.prompt_tokens_total - s.prefix_hit_tokens_total - s.l2_hit_tokens_total),
+                ("device_hit", s.prefix_hit_tokens_total),
+                ("host_hit", s.l2_hit_tokens_total),
+                ("storage_hit", 0),
+            )),
         )
     if v >= (0, 5, 10):
         for name, help_text, fn in (
