@@ -9,6 +9,7 @@ for a robust trend of a gauge, or for a histogram quantile computed as
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Iterable
@@ -16,7 +17,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from kvdiag.model import NUMERIC_FIELDS, Histogram, PoolSample
+from kvdiag.model import NUMERIC_FIELDS, Histogram, PoolSample, Provenance
 
 #: Theil-Sen slopes use at most this many evenly spaced points (pairs grow quadratically).
 TREND_POINTS = 48
@@ -92,21 +93,63 @@ def theil_sen(ts: np.ndarray, values: np.ndarray) -> float | None:
     return float(np.median((values[j][ok] - values[i][ok]) / dt[ok]))
 
 
+#: A histogram field over a window: (bounds, ts, bucket counts per row, sums, counts).
+HistogramColumns = tuple[tuple[float, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 class Window:
-    """One instance's samples over a span, oldest first."""
+    """One instance's samples over a span, oldest first.
+
+    Built from PoolSamples (the CLI's sources), or from columns an exporter already keeps
+    (``from_columns``: no object per sample, so re-evaluating a long window stays cheap).
+    Either way the checks read the same columns.
+    """
 
     def __init__(self, instance: str, samples: Iterable[PoolSample]) -> None:
         self.instance = instance
-        self.samples: list[PoolSample] = sorted(samples, key=lambda s: s.ts)
-        if not self.samples:
+        self._samples: list[PoolSample] | None = sorted(samples, key=lambda s: s.ts)
+        if not self._samples:
             raise ValueError(f"window for {instance} has no samples")
+        self._last = self._samples[-1]
         self._frame: pd.DataFrame | None = None
         self._columns: dict[str, np.ndarray] = {}
-        self._hists: dict[str, tuple | None] = {}
+        self._hists: dict[str, HistogramColumns | None] = {}
+
+    @classmethod
+    def from_columns(
+        cls,
+        instance: str,
+        ts: np.ndarray,
+        columns: dict[str, np.ndarray],
+        histograms: dict[str, HistogramColumns],
+        last: PoolSample,
+    ) -> "Window":
+        """A window over columns (oldest first, NaN = absent; fields not given are absent).
+
+        ``last`` is the newest scrape's own sample: identity, provenance and notes come from
+        it, so the oldest and newest provenance are the same in such a window.
+        """
+        if len(ts) == 0:
+            raise ValueError(f"window for {instance} has no samples")
+        w = cls.__new__(cls)
+        w.instance = instance
+        w._samples = None
+        w._last = last
+        w._frame = None
+        w._columns = {"ts": np.asarray(ts, dtype=float), **columns}
+        w._hists = dict(histograms)
+        return w
+
+    @property
+    def samples(self) -> list[PoolSample]:
+        """The PoolSamples of a window built from them (a columnar window has none)."""
+        if self._samples is None:
+            raise TypeError("a window built from columns holds no PoolSample objects")
+        return self._samples
 
     @property
     def last(self) -> PoolSample:
-        return self.samples[-1]
+        return self._last
 
     @property
     def engine(self) -> str:
@@ -114,18 +157,43 @@ class Window:
 
     @property
     def start(self) -> float:
-        return self.samples[0].ts
+        return float(self.column("ts")[0])
 
     @property
     def end(self) -> float:
-        return self.samples[-1].ts
+        return float(self.column("ts")[-1])
 
     @property
     def duration(self) -> float:
         return self.end - self.start
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.column("ts"))
+
+    def since(self, start: float) -> "Window":
+        """The samples from ``start`` on (the same object when none is older)."""
+        if self.start >= start:
+            return self
+        if self._samples is not None:
+            first = bisect.bisect_left(self._samples, start, key=lambda s: s.ts)
+            return Window(self.instance, self._samples[first:])
+        keep = self.column("ts") >= start
+        columns = {name: col[keep] for name, col in self._columns.items() if name != "ts"}
+        hists = {}
+        for name, h in self._hists.items():
+            if h is not None:
+                bounds, hts, counts, sums, totals = h
+                k = hts >= start
+                hists[name] = (bounds, hts[k], counts[k], sums[k], totals[k])
+        return Window.from_columns(self.instance, self.column("ts")[keep], columns, hists, self._last)
+
+    def provenance(self, name: str) -> tuple[Provenance | None, Provenance | None]:
+        """Where a field came from at the start and at the end of the window."""
+        last = self._last.provenance.get(name)
+        if self._samples is None:
+            return last, last
+        first = next((s.provenance[name] for s in self._samples if name in s.provenance), None)
+        return first, last
 
     @property
     def frame(self) -> pd.DataFrame:
@@ -141,7 +209,10 @@ class Window:
         """One field over the window as floats; absent values are NaN."""
         col = self._columns.get(name)
         if col is None:
-            col = np.array([_num(getattr(s, name)) for s in self.samples], dtype=float)
+            if self._samples is None:
+                col = np.full(len(self._columns["ts"]), np.nan)
+            else:
+                col = np.array([_num(getattr(s, name)) for s in self._samples], dtype=float)
             self._columns[name] = col
         return col
 
@@ -177,15 +248,15 @@ class Window:
         ts, vals = self.points(name, since)
         return theil_sen(ts, vals)
 
-    def _histograms(self, name: str) -> tuple[tuple[float, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    def _histograms(self, name: str) -> HistogramColumns | None:
         """(bounds, ts, bucket counts, sums, counts) of a histogram field, built once per window.
 
         Only samples with the newest sample's bucket layout take part (an upgrade may change
         the bounds)."""
         cached = self._hists.get(name)
-        if cached is not None or name in self._hists:
+        if cached is not None or name in self._hists or self._samples is None:
             return cached
-        hists = [(s.ts, getattr(s, name)) for s in self.samples if getattr(s, name) is not None]
+        hists = [(s.ts, getattr(s, name)) for s in self._samples if getattr(s, name) is not None]
         out = None
         if hists:
             bounds = hists[-1][1].bounds

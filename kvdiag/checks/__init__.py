@@ -40,8 +40,7 @@ def _sourced(result: CheckResult, window: Window) -> CheckResult:
     spec = next(c for c in CHECKS if c.name == result.check)
     sources = {}
     for name in spec.needs:
-        first = next((s.provenance[name] for s in window.samples if name in s.provenance), None)
-        last = window.last.provenance.get(name)
+        first, last = window.provenance(name)
         if first is None or last is None:
             continue
         a, b = first.describe(), last.describe()

@@ -7,8 +7,6 @@ it), or, for a check about growth, when the span holds too few samples to show a
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
 from kvdiag import engines
@@ -27,11 +25,7 @@ def since(window: Window, config: Config) -> float:
 def recent(window: Window, config: Config) -> Window:
     """The window cut to the check span, so nothing older is ever read (the same Window
     object when it holds no older samples, keeping its cached columns)."""
-    start = since(window, config)
-    if window.start >= start:
-        return window
-    first = bisect.bisect_left(window.samples, start, key=lambda s: s.ts)
-    return Window(window.instance, window.samples[first:])
+    return window.since(since(window, config))
 
 
 def span(window: Window, config: Config, field: str) -> tuple[np.ndarray, np.ndarray]:

@@ -5,8 +5,8 @@ heavy (a dict of fields, boxed floats, provenance): thousands of instances times
 of them would not fit in a gigabyte. The ring stores each numeric field the engine reports as
 a preallocated float64 column (NaN = absent, as in ``Window.column``; fields the engine never
 reports take no room), and only the histograms the checks read, so memory is flat from the
-first full window on. When the checks run, the rows inside the window are turned back into
-PoolSamples; the newest one is the scrape's own object, with its provenance and notes.
+first full window on. When the checks run, the rows inside the window become a columnar
+``Window`` directly; the newest scrape's own sample gives it identity, provenance and notes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from kvdiag.checks.catalog import CHECKS
 from kvdiag.model import NUMERIC_FIELDS, Histogram, PoolSample
+from kvdiag.window import Window
 
 _HISTOGRAMS = {f.name for f in fields(PoolSample) if f.name in ("ttft", "queue_time")}
 #: The histogram fields some check reads; the others are not kept (each costs ~25 columns).
@@ -111,45 +112,19 @@ class Ring:
             absent = np.full(len(rows), np.nan)
             return self.ts[rows], {n: self._columns[n][rows] if n in self._columns else absent for n in names}
 
-    def samples(self, since: float | None = None) -> list[PoolSample]:
-        """The samples from ``since`` on as PoolSamples, for the checks.
-
-        Older rows share the newest sample's identity, provenance and notes: the checks read
-        those from ``Window.last`` only.
-        """
+    def window(self, instance: str, since: float | None = None) -> Window | None:
+        """The rows from ``since`` on as a columnar Window for the checks (no PoolSample per
+        row); identity, provenance and notes come from the newest scrape's own sample."""
         with self.lock:
             latest = self.latest
             if latest is None:
-                return []
-            rows = self._rows(since)[:-1]
-            names = ["ts", *self._columns]
-            block = np.column_stack([self.ts[rows], *(c[rows] for c in self._columns.values())])
-            hists = [(name, col.bounds, col.data[rows].tolist()) for name, col in self._hists.items()]
-        # Columns present in every row are passed as they are; only the few columns that come
-        # and go are looked at row by row (this loop is most of the checks' cost).
-        present = ~np.isnan(block)
-        full = np.flatnonzero(present.all(axis=0))
-        mixed = np.flatnonzero(present.any(axis=0) & ~present.all(axis=0))
-        full_names, mixed_names = [names[j] for j in full], [names[j] for j in mixed]
-        full_rows, mixed_rows = block[:, full].tolist(), block[:, mixed].tolist()
-        shared = {
-            "instance": latest.instance,
-            "engine": latest.engine,
-            "model": latest.model,
-            "usage_granularity": latest.usage_granularity,
-            "labels": latest.labels,
-            "provenance": latest.provenance,
-            "notes": latest.notes,
-        }
-        out = []
-        for i, values in enumerate(full_rows):
-            kwargs = dict(zip(full_names, values))
-            for name, v in zip(mixed_names, mixed_rows[i]):
-                if v == v:  # not NaN
-                    kwargs[name] = v
-            for name, bounds, data in hists:
-                h = data[i]
-                if h[-1] == h[-1]:  # not NaN: the histogram was present
-                    kwargs[name] = Histogram(bounds, tuple(h[:-2]), h[-2], h[-1])
-            out.append(PoolSample(**shared, **kwargs))
-        return out + [latest]
+                return None
+            rows = self._rows(since)
+            ts = self.ts[rows]
+            columns = {name: col[rows] for name, col in self._columns.items()}
+            hists = {}
+            for name, hcol in self._hists.items():
+                data = hcol.data[rows]
+                present = ~np.isnan(data[:, -1])
+                hists[name] = (hcol.bounds, ts[present], data[present, :-2], data[present, -2], data[present, -1])
+        return Window.from_columns(instance, ts, columns, hists, latest)

@@ -80,7 +80,7 @@ class InstanceState:
         latest = self.ring.latest
         if latest is None:
             return None
-        return Window(self.key, self.ring.samples(since=latest.ts - config.window))
+        return self.ring.window(self.key, since=latest.ts - config.window)
 
 
 @dataclass

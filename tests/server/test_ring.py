@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from kvdiag.model import Histogram, PoolSample
 from kvdiag.server.ring import Ring
 from kvdiag.server.state import InstanceState
+from kvdiag.window import Window
 
 BOUNDS = (0.5, 1.0, math.inf)
 
@@ -25,26 +28,30 @@ def test_the_ring_keeps_the_last_capacity_samples_oldest_first() -> None:
     assert len(ring) == 4
     ts, waiting = ring.column("waiting")
     assert ts.tolist() == [6.0, 7.0, 8.0, 9.0] and waiting.tolist() == [6.0, 7.0, 8.0, 9.0]
-    assert [s.ts for s in ring.samples(since=7.5)] == [8.0, 9.0]
+    assert ring.window("i", since=7.5).column("ts").tolist() == [8.0, 9.0]
 
 
-def test_samples_come_back_with_absent_fields_absent_and_histograms_intact() -> None:
+def test_the_window_has_absent_fields_absent_and_histograms_intact() -> None:
     ring = Ring(3)
     originals = [sample(1.0, waiting=None), sample(2.0, waiting=3.0)]
     for s in originals:
         ring.append(s)
-    back = ring.samples()
-    assert back[-1] is originals[-1]
-    assert back[0].waiting is None and back[0].usage_ratio == 0.5
-    assert back[0].ttft == originals[0].ttft
+    back = ring.window("i")
+    assert back.last is originals[-1] and len(back) == 2
+    assert math.isnan(back.column("waiting")[0]) and back.column("waiting")[1] == 3.0
+    assert back.column("usage_ratio").tolist() == [0.5, 0.5]
+    assert np.isnan(back.column("running")).all()  # never reported: absent, not 0
+    # The same histogram arithmetic as a window of the PoolSamples themselves.
+    assert back.histogram_increase("ttft") == Window("i", originals).histogram_increase("ttft")
 
 
 def test_a_new_bucket_layout_starts_the_histogram_afresh() -> None:
     ring = Ring(3)
     ring.append(sample(1.0))
     ring.append(sample(2.0, bounds=(1.0, math.inf)))
-    old, new = ring.samples()
-    assert old.ttft is None and new.ttft is not None and new.ttft.bounds == (1.0, math.inf)
+    w = ring.window("i")
+    bounds, ts, _, _, _ = w._histograms("ttft")
+    assert ts.tolist() == [2.0] and bounds == w.histogram_increase("ttft").bounds == (1.0, math.inf)
 
 
 def test_memory_is_preallocated_and_flat() -> None:
