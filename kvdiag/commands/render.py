@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvdiag.config import ConfigError, resolve
+from kvdiag.config import resolve
 from kvdiag.render import render_all
 from kvdiag.render.grafana_alerts import DATASOURCE_UID
 from kvdiag.render.rules import FOR_DEFAULTS, Links, for_durations

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
