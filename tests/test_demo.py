@@ -1,4 +1,5 @@
-"""The main job: `kvdiag demo --no-live` reads both simulated engines to the L1 verdict."""
+"""The main job: `kvdiag demo --no-live` runs the exporter on both simulated engines and reads
+them to the L1 verdict."""
 
 from __future__ import annotations
 
@@ -21,4 +22,5 @@ def test_demo_reaches_l1_bottleneck_for_both_engines() -> None:
         assert "healthy" in seen, (engine, seen)  # it starts healthy ...
         assert seen[-1] == "l1_kv_bottleneck", (engine, seen)  # ... and ends on the L1 verdict
         assert seen.index("healthy") < seen.index("l1_kv_bottleneck")
+    assert re.search(r"exporter: http://127\.0\.0\.1:\d+/ \(page\), http://127\.0\.0\.1:\d+/api/v1/verdicts \(API\)", proc.stdout)
     assert "Admission limit" in proc.stdout and "--max-num-seqs" in proc.stdout and "--max-running-requests" in proc.stdout

@@ -1,34 +1,36 @@
 """``kvdiag demo``: the main job on an embedded default, no GPU and no engine needed.
 
-Two simulated engines (SGLang and vLLM dialects) play the seed's story on loopback: shared-
-prefix load ramps until the KV pool is pinned while L2 stays mostly empty. kvdiag scrapes them
-over HTTP exactly as it scrapes real engines, keeps a window per instance in simulated time,
-and shows the pool and the verdict as they move from healthy to the L1 bottleneck.
+Two simulated engines (SGLang and vLLM, each in its own release's exposition) play the seed's
+story on loopback: shared-prefix load ramps until the KV pool is pinned while L2 stays mostly
+empty. The real exporter (``kvdiag serve``'s scrape loop and HTTP app) scrapes them, keeps a
+window per instance and runs the checklist; the terminal shows the pool and the verdict as
+they move from healthy to the L1 bottleneck, then the full diagnosis with its remedies.
+
+The story runs ``--speed`` times faster than the wall clock, so the exporter's window is the
+checklist's default window (5 minutes of the story) divided by the speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import socket
+import threading
 import time
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
-
-from rich.console import Group
 from rich.table import Table
 
-from kvdiag.checks import diagnose_all
 from kvdiag.config import Config
-from kvdiag.engines import normalize_scrape
 from kvdiag.model import Diagnosis, PoolSample
-from kvdiag.report.diagnosis import render as render_diagnoses
-from kvdiag.window import windows
 from kvdiag.refpool.emit import content_type, render
 from kvdiag.refpool.scripted import SaturationStory
 from kvdiag.refpool.serve import MetricsServer
+from kvdiag.report.diagnosis import render as render_diagnoses
 from kvdiag.report.terminal import fmt, inspect_table
-from kvdiag.sources.scrape import ScrapeError, scrape
+from kvdiag.server.settings import ScrapeSettings, Settings
+from kvdiag.server.targets import make_target
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -38,13 +40,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="wall seconds between scrapes (default 1)")
     p.add_argument("--no-live", action="store_true", help="plain timestamped lines instead of a live view")
     return p
-
-
-def _engine(engine: str, story: SaturationStory, clock: "SimClock") -> MetricsServer:
-    def body(wants_om: bool) -> tuple[str, str]:
-        return render(engine, [story.state(clock.now())], openmetrics=wants_om, escape=wants_om), content_type(wants_om)
-
-    return MetricsServer(body).start()
 
 
 class SimClock:
@@ -58,23 +53,69 @@ class SimClock:
         return (time.monotonic() - self.t0) * self.speed
 
 
-EPOCH = 1_795_952_340.0  # simulated wall clock of the story's start
+def _engine(engine: str, story: SaturationStory, clock: SimClock) -> MetricsServer:
+    def body(wants_om: bool) -> tuple[str, str]:
+        return render(engine, [story.state(clock.now())], openmetrics=wants_om, escape=wants_om), content_type(wants_om)
+
+    return MetricsServer(body).start()
 
 
-def _line(s: PoolSample, d: Diagnosis | None) -> str:
-    verdict = d.verdict.name if d else "-"
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Exporter:
+    """``kvdiag serve`` in-process: the scrape loop and its HTTP app on a loopback port."""
+
+    def __init__(self, targets: list[str], interval: float, window: float) -> None:
+        import uvicorn
+
+        from kvdiag.server.app import create_app
+        from kvdiag.server.loop import ScrapeLoop
+
+        settings = Settings(
+            port=_free_port(),
+            targets=tuple(make_target(url, None, "demo") for url in targets),
+            scrape=ScrapeSettings(interval=interval, evaluate_every=interval),
+            checks=Config(window=window),
+        )
+        self.url = f"http://{settings.host}:{settings.port}"
+        self.loop = ScrapeLoop(settings).start()
+        config = uvicorn.Config(create_app(self.loop), host=settings.host, port=settings.port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+
+    def instances(self) -> list[tuple[PoolSample, Diagnosis | None]]:
+        """Each instance's newest sample and current diagnosis."""
+        out = []
+        for target in self.loop.snapshot():
+            for inst in list(target.instances.values()):
+                if inst.latest is not None:
+                    out.append((inst.latest, inst.diagnosis))
+        return out
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
+        self.loop.stop()
+
+
+def _line(sim_t: float, s: PoolSample, d: Diagnosis | None) -> str:
     return (
-        f"t={s.ts - EPOCH:6.0f}s {s.engine:6s} usage={fmt(s.usage_ratio, '.2f')} running={fmt(s.running)} "
-        f"waiting={fmt(s.waiting)} evictions={fmt(s.evictions_total)} verdict={verdict}"
+        f"t={sim_t:6.0f}s {s.engine:6s} usage={fmt(s.usage_ratio, '.2f')} running={fmt(s.running)} "
+        f"waiting={fmt(s.waiting)} evictions={fmt(s.evictions_total)} verdict={d.verdict.name if d else '-'}"
     )
 
 
-def _verdicts(diagnoses: list[Diagnosis]) -> Table:
-    table = Table(title="verdict per instance (5-minute window of simulated time)")
+def _verdicts(rows: list[tuple[PoolSample, Diagnosis | None]], speed: float) -> Table:
+    table = Table(title=f"verdict per instance (window: 5 minutes of the story = {300 / speed:g} s of wall time)")
     for col in ("instance", "verdict", "why"):
         table.add_column(col)
-    for d in diagnoses:
-        table.add_row(d.instance, d.verdict.name, d.verdict.reason)
+    for s, d in rows:
+        table.add_row(s.instance, d.verdict.name if d else "-", d.verdict.reason if d else "waiting for a window")
     return table
 
 
@@ -82,36 +123,27 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     story = SaturationStory()
     clock = SimClock(args.speed)
-    servers = [_engine(e, story, clock) for e in ("sglang", "vllm")]
-    console.print(f"simulated engines: sglang {servers[0].url}/metrics, vllm {servers[1].url}/metrics")
-    config = Config()
-    samples: list[PoolSample] = []
-    diagnoses: list[Diagnosis] = []
+    engines = [_engine(e, story, clock) for e in ("sglang", "vllm")]
+    exporter = Exporter([f"{e.url}/metrics" for e in engines], args.interval, Config().window / args.speed)
+    console.print(f"simulated engines: sglang {engines[0].url}/metrics, vllm {engines[1].url}/metrics")
+    console.print(
+        f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs"
+    )
+    rows: list[tuple[PoolSample, Diagnosis | None]] = []
     try:
         with contextlib.nullcontext() if args.no_live else Live(console=console, auto_refresh=False) as live:
             end = time.monotonic() + args.duration
             while time.monotonic() < end:
-                fresh = []
-                for server in servers:
-                    try:
-                        got = scrape(server.url)
-                    except ScrapeError as exc:
-                        console.print(f"[red]scrape failed[/red] {exc}")
-                        continue
-                    got.ts = EPOCH + clock.now()  # windows run on simulated time
-                    fresh += normalize_scrape(got)
-                samples = [s for s in samples + fresh if s.ts >= EPOCH + clock.now() - config.window]
-                diagnoses = diagnose_all(windows(samples).values(), config)
-                by_instance = {d.instance: d for d in diagnoses}
-                if live is not None:
-                    live.update(Group(inspect_table(fresh), _verdicts(diagnoses)), refresh=True)
-                else:
-                    for s in fresh:
-                        console.print(_line(s, by_instance.get(s.instance)), highlight=False)
                 time.sleep(args.interval)
+                rows = exporter.instances()
+                if live is not None:
+                    live.update(Group(inspect_table([s for s, _ in rows]), _verdicts(rows, args.speed)), refresh=True)
+                else:
+                    for s, d in rows:
+                        console.print(_line(clock.now(), s, d), highlight=False)
     finally:
-        for server in servers:
+        exporter.stop()
+        for server in engines:
             server.stop()
-    render_diagnoses(console, diagnoses)
+    render_diagnoses(console, [d for _, d in rows if d is not None])
     return 0
-
