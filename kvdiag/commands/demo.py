@@ -17,6 +17,7 @@ import contextlib
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -30,6 +31,7 @@ from kvdiag.refpool.serve import MetricsServer
 from kvdiag.report.diagnosis import render as render_diagnoses
 from kvdiag.report.terminal import fmt, inspect_table
 from kvdiag.server.settings import ScrapeSettings, Settings
+from kvdiag.server.state import InstanceState
 from kvdiag.server.targets import make_target
 
 
@@ -69,7 +71,7 @@ def _free_port() -> int:
 class Exporter:
     """``kvdiag serve`` in-process: the scrape loop and its HTTP app on a loopback port."""
 
-    def __init__(self, targets: list[str], interval: float, window: float) -> None:
+    def __init__(self, targets: list[str], interval: float, config: Config) -> None:
         import uvicorn
 
         from kvdiag.server.app import create_app
@@ -79,7 +81,7 @@ class Exporter:
             port=_free_port(),
             targets=tuple(make_target(url, None, "demo") for url in targets),
             scrape=ScrapeSettings(interval=interval, evaluate_every=interval),
-            checks=Config(window=window),
+            checks=config,
         )
         self.url = f"http://{settings.host}:{settings.port}"
         self.loop = ScrapeLoop(settings).start()
@@ -88,14 +90,9 @@ class Exporter:
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
 
-    def instances(self) -> list[tuple[PoolSample, Diagnosis | None]]:
-        """Each instance's newest sample and current diagnosis."""
-        out = []
-        for target in self.loop.snapshot():
-            for inst in list(target.instances.values()):
-                if inst.latest is not None:
-                    out.append((inst.latest, inst.diagnosis))
-        return out
+    def instances(self) -> list[InstanceState]:
+        """The exporter's instances that have reported."""
+        return [i for t in self.loop.snapshot() for i in list(t.instances.values()) if i.latest is not None]
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -103,19 +100,48 @@ class Exporter:
         self.loop.stop()
 
 
-def _line(sim_t: float, s: PoolSample, d: Diagnosis | None) -> str:
+@dataclass
+class Row:
+    """What the demo shows of one instance: the exporter's latest sample and answers."""
+
+    sample: PoolSample
+    diagnosis: Diagnosis | None
+    evictions_per_min: float | None  # in story time
+    ttft_p99: float | None
+    hit_ratio: float | None
+
+    @classmethod
+    def of(cls, inst: InstanceState, config: Config, speed: float) -> "Row":
+        window = inst.window(config)
+        rate = window.rate("evictions_total") if window is not None else None
+        d = inst.diagnosis
+        hit = d.checks["prefix_hit_high"].evidence.values.get("hit_ratio") if d else None
+        return cls(inst.latest, d, None if rate is None else rate * 60 / speed, inst.ttft_p99, hit if isinstance(hit, float) else None)
+
+    @property
+    def verdict(self) -> str:
+        return self.diagnosis.verdict.name if self.diagnosis else "-"
+
+
+def _line(sim_t: float, r: Row) -> str:
+    s = r.sample
     return (
         f"t={sim_t:6.0f}s {s.engine:6s} usage={fmt(s.usage_ratio, '.2f')} running={fmt(s.running)} "
-        f"waiting={fmt(s.waiting)} evictions={fmt(s.evictions_total)} verdict={d.verdict.name if d else '-'}"
+        f"waiting={fmt(s.waiting)} evictions={fmt(s.evictions_total)} ({fmt(r.evictions_per_min, '.1f')}/min) "
+        f"p99_ttft={fmt(r.ttft_p99, '.1f')}s verdict={r.verdict}"
     )
 
 
-def _verdicts(rows: list[tuple[PoolSample, Diagnosis | None]], speed: float) -> Table:
+def _verdicts(rows: list[Row], speed: float) -> Table:
     table = Table(title=f"verdict per instance (window: 5 minutes of the story = {300 / speed:g} s of wall time)")
-    for col in ("instance", "verdict", "why"):
+    for col in ("instance", "evictions/min", "P99 TTFT", "hit ratio", "verdict", "why"):
         table.add_column(col)
-    for s, d in rows:
-        table.add_row(s.instance, d.verdict.name if d else "-", d.verdict.reason if d else "waiting for a window")
+    for r in rows:
+        d = r.diagnosis
+        table.add_row(
+            r.sample.instance, fmt(r.evictions_per_min, ".1f"), f"{fmt(r.ttft_p99, '.1f')} s", fmt(r.hit_ratio, ".2f"),
+            r.verdict, d.verdict.reason if d else "waiting for a window",
+        )
     return table
 
 
@@ -124,26 +150,27 @@ def run(args: argparse.Namespace) -> int:
     story = SaturationStory()
     clock = SimClock(args.speed)
     engines = [_engine(e, story, clock) for e in ("sglang", "vllm")]
-    exporter = Exporter([f"{e.url}/metrics" for e in engines], args.interval, Config().window / args.speed)
+    config = Config(window=Config().window / args.speed)
+    exporter = Exporter([f"{e.url}/metrics" for e in engines], args.interval, config)
     console.print(f"simulated engines: sglang {engines[0].url}/metrics, vllm {engines[1].url}/metrics")
     console.print(
         f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs"
     )
-    rows: list[tuple[PoolSample, Diagnosis | None]] = []
+    rows: list[Row] = []
     try:
         with contextlib.nullcontext() if args.no_live else Live(console=console, auto_refresh=False) as live:
             end = time.monotonic() + args.duration
             while time.monotonic() < end:
                 time.sleep(args.interval)
-                rows = exporter.instances()
+                rows = [Row.of(i, config, args.speed) for i in exporter.instances()]
                 if live is not None:
-                    live.update(Group(inspect_table([s for s, _ in rows]), _verdicts(rows, args.speed)), refresh=True)
+                    live.update(Group(inspect_table([r.sample for r in rows]), _verdicts(rows, args.speed)), refresh=True)
                 else:
-                    for s, d in rows:
-                        console.print(_line(clock.now(), s, d), highlight=False)
+                    for r in rows:
+                        console.print(_line(clock.now(), r), highlight=False)
     finally:
         exporter.stop()
         for server in engines:
             server.stop()
-    render_diagnoses(console, [d for _, d in rows if d is not None])
+    render_diagnoses(console, [r.diagnosis for r in rows if r.diagnosis is not None])
     return 0
