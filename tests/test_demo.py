@@ -10,7 +10,7 @@ import sys
 
 def test_demo_reaches_l1_bottleneck_for_both_engines() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvdiag", "demo", "--no-live", "--duration", "10", "--speed", "45", "--interval", "0.4"],
+        [sys.executable, "-m", "kvdiag", "demo", "--no-live", "--duration", "14", "--speed", "30", "--interval", "0.25"],
         capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr

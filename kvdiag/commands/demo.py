@@ -45,14 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 class SimClock:
-    """Simulated time: wall time since start times the speed."""
+    """Simulated time: wall time since ``start()`` times the speed (0 before it starts, so the
+    story waits for the exporter to be up instead of running through its opening unseen)."""
 
     def __init__(self, speed: float) -> None:
         self.speed = speed
+        self.t0: float | None = None
+
+    def start(self) -> None:
         self.t0 = time.monotonic()
 
     def now(self) -> float:
-        return (time.monotonic() - self.t0) * self.speed
+        return 0.0 if self.t0 is None else (time.monotonic() - self.t0) * self.speed
 
 
 def _engine(engine: str, story: SaturationStory, clock: SimClock) -> MetricsServer:
@@ -157,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs"
     )
     rows: list[Row] = []
+    clock.start()
     try:
         with contextlib.nullcontext() if args.no_live else Live(console=console, auto_refresh=False) as live:
             end = time.monotonic() + args.duration
