@@ -144,6 +144,14 @@ class PoolSample:
         setattr(self, name, value)
         self.provenance[name] = source
 
+    @property
+    def prefix_hit_ratio(self) -> float | None:
+        """Hit ratio at this scrape: the counters over the engine's lifetime, else the engine's
+        own rate gauge (old engines export no counters). Windows rate the counters instead."""
+        if self.prefix_hit_tokens_total is not None and self.prefix_query_tokens_total:
+            return self.prefix_hit_tokens_total / self.prefix_query_tokens_total
+        return self.prefix_hit_ratio_gauge
+
     def present(self) -> list[str]:
         return [f.name for f in fields(self) if f.name in self.provenance]
 

@@ -37,11 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def sample_json(sample: PoolSample) -> dict:
     """The documented ``inspect --json`` shape for one instance (plus a few more keys)."""
-    hit = None
-    if sample.prefix_hit_tokens_total is not None and sample.prefix_query_tokens_total:
-        hit = sample.prefix_hit_tokens_total / sample.prefix_query_tokens_total
-    elif sample.prefix_hit_ratio_gauge is not None:
-        hit = sample.prefix_hit_ratio_gauge
     return {
         "instance": sample.instance,
         "engine": sample.engine,
@@ -56,7 +51,7 @@ def sample_json(sample: PoolSample) -> dict:
         "running": sample.running,
         "waiting": sample.waiting,
         "evictions_total": sample.evictions_total,
-        "prefix_hit_ratio": hit,
+        "prefix_hit_ratio": sample.prefix_hit_ratio,
         "l2_used_tokens": _int(sample.l2_used_tokens),
         "l2_capacity_tokens": _int(sample.l2_capacity_tokens),
         "ttft_observations": sample.ttft.count if sample.ttft else None,

@@ -15,7 +15,7 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
 
 from __future__ import annotations
 
-from kvdiag.engines.base import Instance, Knobs, first, instance_key, model_name, put, put_histogram, split_values
+from kvdiag.engines.base import Instance, Knobs, belongs, first, instance_key, model_name, put, put_histogram, split_values
 from kvdiag.exposition import Exposition, Family
 from kvdiag.model import PoolSample, Provenance
 
@@ -108,7 +108,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
 
 def _label_number(fam: Family, split: dict[str, str], label: str) -> float | None:
     for s in fam.samples:
-        if all(s.labels.get(k, v) == v for k, v in split.items()):
+        if belongs(s, split):
             raw = s.labels.get(label)
             if raw in (None, "None", ""):
                 return None

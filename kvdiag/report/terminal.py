@@ -49,11 +49,6 @@ def inspect_table(samples: list[PoolSample]) -> Table:
     for col in ("instance", "pool", "capacity", "usage", "running / waiting", "evictions", "prefix hit", "L2"):
         table.add_column(col)
     for s in samples:
-        hit = None
-        if s.prefix_hit_tokens_total is not None and s.prefix_query_tokens_total:
-            hit = s.prefix_hit_tokens_total / s.prefix_query_tokens_total
-        elif s.prefix_hit_ratio_gauge is not None:
-            hit = s.prefix_hit_ratio_gauge
         l2 = "—"
         if s.l2_capacity_tokens:
             l2 = f"{fmt(s.l2_used_tokens)} / {fmt(s.l2_capacity_tokens)} tok"
@@ -64,7 +59,7 @@ def inspect_table(samples: list[PoolSample]) -> Table:
             fmt(s.usage_ratio, ".2f") + (f" ({s.usage_granularity})" if s.usage_granularity else ""),
             f"{fmt(s.running)} / {fmt(s.waiting)}",
             fmt(s.evictions_total),
-            fmt(hit, ".2f"),
+            fmt(s.prefix_hit_ratio, ".2f"),
             l2,
         )
     return table
