@@ -103,3 +103,18 @@ def counter_ratio(window: Window, config: Config, num: str, den: str) -> tuple[n
     else:
         n, d, basis = counter_increase(num_vals), counter_increase(den_vals), "window"
     return ts, (n / d if d > 0 else None), n, d, basis
+
+
+def per_request(window: Window, config: Config, field: str) -> tuple[float | None, str]:
+    """Tokens per finished request of a token counter, and the basis: the increases over the
+    span, or the engine's lifetime totals when no request finished in it (a single scrape)."""
+    requests = window.increase("requests_total", since(window, config))
+    if requests:
+        tokens = window.increase(field, since(window, config))
+        if tokens is not None:
+            return tokens / requests, "window"
+    last = window.last
+    total = getattr(last, field)
+    if last.requests_total and total is not None:
+        return total / last.requests_total, "lifetime"
+    return None, "unknown"

@@ -110,6 +110,9 @@ SERIES = {
     s.name: s
     for s in (
         Series("instance:kvdiag_kv_usage:ratio", "usage_ratio", "active (non-evictable) KV usage 0-1; max over TP ranks"),
+        Series("instance:kvdiag_kv_admission_usage:ratio{window}", "usage_ratio",
+               "usage + the room the next admission needs (uncached prompt; output and the running requests' "
+               "output reserve where the engine reserves it) over capacity, at most 1; else usage"),
         Series("instance:kvdiag_waiting:requests", "waiting", "requests in the waiting queue; max over TP ranks"),
         Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
         Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
@@ -125,13 +128,15 @@ CHECKS = (
     CheckSpec(
         "kv_usage_saturated",
         "S",
-        "KV pool pinned near 1",
-        "active usage >= {saturated_usage} in >= {saturated_fraction} of the window's samples and at its end",
+        "KV pool pinned near full, as admission counts it",
+        "admission usage (active usage + the room the next admission needs) >= {saturated_usage} "
+        "in >= {saturated_fraction} of the window's samples and at its end",
         ("window", "saturated_usage", "saturated_fraction"),
-        ("usage_ratio",),
+        ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
+         "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total"),
         False,
-        "avg_over_time((instance:kvdiag_kv_usage:ratio >= bool {saturated_usage})[{window}:]) >= {saturated_fraction}"
-        " and instance:kvdiag_kv_usage:ratio >= {saturated_usage}",
+        "avg_over_time((instance:kvdiag_kv_admission_usage:ratio{window} >= bool {saturated_usage})[{window}:])"
+        " >= {saturated_fraction} and instance:kvdiag_kv_admission_usage:ratio{window} >= {saturated_usage}",
     ),
     CheckSpec(
         "queue_growing",

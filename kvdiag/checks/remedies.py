@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Iterable
 
 from kvdiag import engines
-from kvdiag.checks.base import since, span
+from kvdiag.checks.base import per_request, span
 from kvdiag.checks.catalog import REMEDIES
 from kvdiag.config import Config
 from kvdiag.window import Window
@@ -60,14 +60,9 @@ def remedies(names: Iterable[str], engine: str, figs: Figures) -> list[str]:
 
 
 def _avg_len(window: Window, config: Config) -> tuple[float | None, str]:
-    start = since(window, config)
-    requests = window.increase("requests_total", start)
-    if requests:
-        tokens = sum(window.increase(f, start) or 0.0 for f in ("prompt_tokens_total", "generation_tokens_total"))
-        if tokens:
-            return tokens / requests, "window"
-    last = window.last
-    if last.requests_total and (last.prompt_tokens_total or last.generation_tokens_total):
-        return ((last.prompt_tokens_total or 0.0) + (last.generation_tokens_total or 0.0)) / last.requests_total, "lifetime"
-    return None, "unknown"
-
+    prompt, prompt_basis = per_request(window, config, "prompt_tokens_total")
+    output, output_basis = per_request(window, config, "generation_tokens_total")
+    total = (prompt or 0.0) + (output or 0.0)
+    if not total:
+        return None, "unknown"
+    return total, prompt_basis if prompt is not None else output_basis

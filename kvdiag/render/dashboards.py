@@ -62,6 +62,7 @@ def _names(config: Config) -> dict[str, str]:
     t = lambda n: series_name(n, config)  # noqa: E731
     return {
         "usage": t("instance:kvdiag_kv_usage:ratio"),
+        "admission": t("instance:kvdiag_kv_admission_usage:ratio{window}"),
         "waiting": t("instance:kvdiag_waiting:requests"),
         "running": t("instance:kvdiag_running:requests"),
         "evictions": t("instance:kvdiag_evictions:rate{window}"),
@@ -105,11 +106,12 @@ def overview(config: Config, lbl: Labels = Labels()) -> Dashboard:
             ), "Instances per kvdiag alert (from the rules; pending = condition true, waiting out `for:`), and per verdict from the kvdiag exporter where it runs.", width=16),
             Panel("Instances", "stat", (Query(f"count({INSTANCE_INFO}{s})", "instances", instant=True),),
                   "Engine instances (data-parallel engines) reporting scheduler metrics.", width=8),
-            Panel("KV usage spread", "timeseries", (
-                Query(f"max({n['usage']}{s})", "max"),
-                Query(f"quantile(0.5, {n['usage']}{s})", "median"),
-                Query(f"min({n['usage']}{s})", "min"),
-            ), "Active (non-evictable) KV usage across instances; the line is the saturation threshold.",
+            Panel("KV admission usage spread", "timeseries", (
+                Query(f"max({n['admission']}{s})", "max"),
+                Query(f"quantile(0.5, {n['admission']}{s})", "median"),
+                Query(f"min({n['admission']}{s})", "min"),
+            ), "Admission usage across instances (active usage + the room the next admission needs: its uncached prompt, "
+               "and the output reserve where the engine keeps one); the line is the saturation threshold.",
                   "percentunit", thresholds=((config.saturated_usage, "red"),), max=1.0),
             per_instance("waiting", "Waiting requests", "short", "Requests in each instance's waiting queue."),
             per_instance("evictions", "Evictions per second", "reqps", "Running requests retracted (SGLang) or preempted (vLLM) and recomputed."),
@@ -143,8 +145,12 @@ def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
                 Query(f'{n["pool"]}{_sel(lbl, "state=" + chr(34) + "used" + chr(34))}', leg + " used"),
                 Query(f"{n['capacity']}{s}", leg + " capacity"),
             ), "Tokens held by running requests against the pool's capacity in tokens.", "short"),
-            Panel("KV usage (active share)", "timeseries", (Query(f"{n['usage']}{s}", leg),),
-                  "Active (non-evictable) share of the pool; the line is the saturation threshold.", "percentunit",
+            Panel("KV usage (active share) and admission usage", "timeseries", (
+                Query(f"{n['usage']}{s}", leg + " usage"),
+                Query(f"{n['admission']}{s}", leg + " admission"),
+            ), "Active (non-evictable) share of the pool, and admission usage: that plus the room the next admission "
+               "needs (uncached prompt; output and the running requests' output reserve where the engine reserves it). "
+               "The line is the saturation threshold, applied to admission usage.", "percentunit",
                   thresholds=((config.saturated_usage, "red"),), max=1.0),
             Panel("Waiting and running", "timeseries", (
                 Query(f"{n['waiting']}{s}", leg + " waiting"),

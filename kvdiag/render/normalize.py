@@ -168,14 +168,37 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
         f'label_replace({usage} * on ({", ".join(lbl.key)}) {capacity}, "state", "used", "__name__", ".*")',
     ), "instance:kvdiag_kv_pool:tokens", "KV pool tokens by state (used | evictable | available), as reported")
 
-    # Average sequence length (input + output tokens per finished request) and the concurrency
-    # ceiling it implies: pool tokens / average sequence length.
-    seq = add(None, first(
-        broadcast(lbl, f"({prompt} + {counter_rate(lbl, S + 'generation_tokens', w, partitions=STREAM)})"
-                       f" / {counter_rate(lbl, S + 'num_requests', w, partitions=STREAM)}"),
-        f"({counter_rate(lbl, V + 'prompt_tokens', w)} + {counter_rate(lbl, V + 'generation_tokens', w)})"
-        f" / {counter_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))}",
-    ), f"instance:kvdiag_sequence_tokens:avg{w}", "average input + output tokens per finished request")
+    # Tokens per finished request (input, output, their sum) and the concurrency ceiling the
+    # sum implies: pool tokens / average sequence length.
+    def per_request(family: str) -> str:
+        return first(
+            broadcast(lbl, f"{counter_rate(lbl, S + family, w, partitions=STREAM)}"
+                           f" / {counter_rate(lbl, S + 'num_requests', w, partitions=STREAM)}"),
+            f"{counter_rate(lbl, V + family, w)}"
+            f" / {counter_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))}",
+        )
+
+    prompt_avg = add(None, per_request("prompt_tokens"), f"instance:kvdiag_prompt_tokens:avg{w}",
+                     "input tokens per finished request")
+    output_avg = add(None, per_request("generation_tokens"), f"instance:kvdiag_output_tokens:avg{w}",
+                     "output tokens per finished request")
+    seq = add(None, f"{prompt_avg} + {output_avg}", f"instance:kvdiag_sequence_tokens:avg{w}",
+              "average input + output tokens per finished request")
     add(None, f"{capacity} / ({seq} > 0)", f"instance:kvdiag_concurrency_ceiling:requests{w}",
         "concurrency ceiling: pool tokens / average sequence length")
+
+    # Admission usage (kvdiag/checks/admission.py): usage + what the next admission needs, the
+    # uncached prompt, and where the engine reserves output (SGLang's new_token_ratio) the next
+    # request's output plus ratio x output for every running request; usage where an input is
+    # missing.
+    reserve = add(None, gauge(lbl, S + "new_token_ratio"), "instance:kvdiag_decode_reserve:ratio",
+                  "share of running requests' remaining output that admission holds back, where reported")
+    running = _catalog("instance:kvdiag_running:requests", config)[0]
+    hit = _catalog("instance:kvdiag_prefix_hit:ratio{window}", config)[0]
+    prompt_need = f"{prompt_avg} * (1 - {hit})"
+    output_need = f"({output_avg} * (1 + {reserve} * {running}) or 0 * {prompt_need})"
+    add("instance:kvdiag_kv_admission_usage:ratio{window}", first(
+        f"clamp_max({usage} + ({prompt_need} + {output_need}) / {capacity}, 1) >= 0",  # >= 0 drops NaN (0/0)
+        usage,
+    ))
     return out

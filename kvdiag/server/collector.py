@@ -30,6 +30,7 @@ FAMILIES = (
     ("kvdiag_scrape_duration_seconds", "gauge", "Seconds the last scrape of the engine took."),
     ("kvdiag_kv_pool_tokens", "gauge", "KV pool (L1) tokens by state, only the states the engine reports apart."),
     ("kvdiag_kv_usage_ratio", "gauge", "Active (non-evictable) share of the KV pool as the engine reports it, 0-1."),
+    ("kvdiag_kv_admission_usage_ratio", "gauge", "Share of the KV pool admission counts as taken: active usage + the room the next admission needs (uncached prompt; output and the running requests' output reserve where the engine reserves it), 0-1; computed by the background loop after scrapes."),
     ("kvdiag_kv_capacity_tokens", "gauge", "KV pool (L1) capacity in tokens."),
     ("kvdiag_waiting_requests", "gauge", "Requests in the engine's waiting queue."),
     ("kvdiag_running_requests", "gauge", "Requests the engine is running."),
@@ -94,6 +95,8 @@ def _instance(fams: dict[str, Metric], state: TargetState, inst: InstanceState) 
     diagnosis = inst.diagnosis
     if diagnosis is None:
         return
+    saturated = diagnosis.checks.get("kv_usage_saturated")
+    _put(fams, "kvdiag_kv_admission_usage_ratio", labels, _number(saturated.evidence.values.get("admission_usage_last")) if saturated else None)
     prefix = diagnosis.checks.get("prefix_hit_high")
     _put(fams, "kvdiag_prefix_hit_ratio", labels, _number(prefix.evidence.values.get("hit_ratio")) if prefix else None)
     _put(fams, "kvdiag_ttft_p99_seconds", labels, inst.ttft_p99)

@@ -76,7 +76,7 @@ def test_explain_prints_the_table_and_the_thresholds_in_force(
     out = capsys.readouterr().out
     for needle in ("l1_kv_bottleneck", "KvdiagL1KVPoolBottleneck", "queue_without_kv_pressure", "transient_evictions", "3s", "0.9"):
         assert needle in out
-    assert "usage >= 0.9 in >= 0.8" in out  # the condition shown with the value in force
+    assert "admission usage (active usage + the room the next admission needs) >= 0.9 in >= 0.8" in out  # the condition shown with the value in force
 
 
 def test_explain_json_carries_promql_with_thresholds(capsys: pytest.CaptureFixture[str]) -> None:

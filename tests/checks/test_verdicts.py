@@ -111,6 +111,32 @@ def test_queue_without_kv_pressure_names_high_usage(engine: str) -> None:
     assert any("The pool is not the cap" in r for r in d.remedies)
 
 
+def test_output_reserve_counts_as_taken_where_the_engine_reports_it() -> None:
+    """Usage 0.93 with 80 running requests and a backlog: the engine that reserves output
+    (reserve ratio 0.70 x 500 tokens per running request, and the next request's whole 500)
+    has no room to admit, so its pool is saturated as admission counts it; the engine that
+    reserves nothing still has room for the next prompt, and its queue is not KV's doing."""
+    kw = dict(usage=const(0.93), waiting=ramp(1, 0.5), running=const(80))
+    reserving, plain = run("sglang", **kw), run("vllm", **kw)
+    s = reserving.checks["kv_usage_saturated"].evidence.values
+    assert reserving.verdict.name == "l1_kv_pressure" and reserving.checks["kv_usage_saturated"].status == "firing"
+    assert s["usage_last"] == pytest.approx(0.93) and s["admission_usage_last"] == 1.0
+    # 500 x (1 + 0.7 x 80) + 3,000 x (1 - 0.8) tokens
+    assert s["need_tokens_last"] == pytest.approx(500 * (1 + 0.7 * 80) + 600) and s["reserve_ratio_last"] == pytest.approx(0.7)
+    assert s["admission_basis"] == "usage, uncached prompt and output reserve"
+    p = plain.checks["kv_usage_saturated"].evidence.values
+    assert plain.verdict.name == "queue_without_kv_pressure"
+    assert p["admission_usage_last"] == pytest.approx(0.93 + 600 / 200_000) and p["admission_basis"] == "usage and uncached prompt"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_admission_usage_is_the_usage_gauge_without_traffic_counters(engine: str) -> None:
+    d = run(engine, usage=const(0.96), requests=0)
+    s = d.checks["kv_usage_saturated"].evidence.values
+    assert s["admission_usage_last"] == s["usage_last"] and s["admission_basis"] == "usage only: no tokens per request, prefix hit ratio"
+    assert d.verdict.name == "near_kv_capacity"
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_queue_without_kv_pressure_low_usage_has_no_usage_note(engine: str) -> None:
     d = run(engine, usage=const(0.3), waiting=ramp(1, 0.5), running=const(64))

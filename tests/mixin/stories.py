@@ -81,6 +81,9 @@ STORIES = (
           (("concurrency_not_cache",), ())),
     Story("sglang-dp2", "sglang", "0.5.23", (Engine(usage=0.97), Engine(usage=0.5, waiting_per_s=0.5)),
           ("near_kv_capacity", "queue_without_kv_pressure")),
+    # usage 0.93 but no room to admit: 48 running x 0.7 x 500 reserved output + the next request
+    Story("sglang-admission-reserve", "sglang", "0.5.23", (Engine(usage=0.93, running=48, waiting_per_s=0.8),),
+          ("l1_kv_pressure",)),
     Story("vllm-legacy-0.8", "vllm", "0.8", (Engine(usage=0.99, evictions_per_s=0.5),), ("l1_kv_pressure",)),
     Story("vllm-idle", "vllm", "0.33.0", (IDLE,), ("healthy",)),
     Story("vllm-restart-no-false-evictions", "vllm", "0.33.0",

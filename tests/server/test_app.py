@@ -22,7 +22,7 @@ from tests.server.conftest import settings_for, wait_for
 
 FAMILIES = {
     "kvdiag_up", "kvdiag_scrape_duration_seconds", "kvdiag_kv_pool_tokens", "kvdiag_kv_usage_ratio",
-    "kvdiag_kv_capacity_tokens", "kvdiag_waiting_requests", "kvdiag_running_requests", "kvdiag_evictions",
+    "kvdiag_kv_admission_usage_ratio", "kvdiag_kv_capacity_tokens", "kvdiag_waiting_requests", "kvdiag_running_requests", "kvdiag_evictions",
     "kvdiag_prefix_hit_ratio", "kvdiag_ttft_p99_seconds", "kvdiag_concurrency_ceiling", "kvdiag_check_status",
     "kvdiag_verdict", "kvdiag_build_info",
 }  # fmt: skip
@@ -59,8 +59,10 @@ def test_verdicts_reach_metrics(served: TestClient) -> None:
     assert {"kv_usage_saturated", "queue_growing", "evictions_growing"} <= firing
     for s in fams["kvdiag_up"].samples:
         assert s.value == 1 and set(s.labels) == {"instance", "engine", "model"}
-    ratio = [s.value for s in fams["kvdiag_kv_usage_ratio"].samples]
-    assert all(0 <= r <= 1 for r in ratio)
+    ratio = {s.labels["engine"]: s.value for s in fams["kvdiag_kv_usage_ratio"].samples}
+    admission = {s.labels["engine"]: s.value for s in fams["kvdiag_kv_admission_usage_ratio"].samples}
+    assert set(ratio) == set(admission) == {"sglang", "vllm"}
+    assert all(0 <= ratio[e] <= admission[e] <= 1 for e in ratio)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (scripts/system-deps.sh)")
