@@ -69,10 +69,10 @@ def test_report_renders_in_chromium_with_plots_and_firing_marks(report: Path, tm
     res = chromium(tmp_path, report, "--dump-dom")
     assert res.returncode == 0, res.stderr[-2000:]
     dom = res.stdout
-    assert dom.count("class=\"chart\"") == 12  # six plots per instance
+    assert dom.count("class=\"chart\"") == 14  # seven plots per instance
     assert dom.count("class=\"band\"") == 2  # the verdict over time
     assert dom.count("<polygon") > 2  # stacked used / evictable / available
-    for title in ("KV pool (L1)", "queue", "evictions (retract / preempt) per minute", "P99 TTFT", "prefix hit ratio", "L2 (host tier) occupancy"):
+    for title in ("KV pool (L1)", "KV admission usage", "queue", "evictions (retract / preempt) per minute", "P99 TTFT", "prefix hit ratio", "L2 (host tier) occupancy"):
         assert title in dom
     assert "SLO 10s" in dom
     marks = re.findall(r"<title>(\w+) started firing at", dom)

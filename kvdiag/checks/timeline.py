@@ -42,7 +42,11 @@ class Timeline:
 
 
 #: Evidence values a plot wants over time: (check, evidence key) -> series name.
-PLOTTED = {("ttft_p99_high", "estimate_seconds"): "ttft_quantile", ("prefix_hit_high", "hit_ratio"): "hit_ratio"}
+PLOTTED = {
+    ("kv_usage_saturated", "admission_usage_last"): "admission_usage",
+    ("ttft_p99_high", "estimate_seconds"): "ttft_quantile",
+    ("prefix_hit_high", "hit_ratio"): "hit_ratio",
+}
 
 
 def timeline(window: Window, config: Config, max_points: int = MAX_POINTS) -> Timeline:

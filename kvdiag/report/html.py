@@ -3,7 +3,7 @@
 One file, no scripts, no fonts, no network: the plots are inline SVG drawn here, so the
 report opens offline, attaches to a ticket and survives a mail gateway. Per instance: the KV
 pool (used / evictable / available where the engine reports them apart, else active usage),
-the queue, evictions per minute, the TTFT quantile against the SLO, the prefix hit ratio and
+admission usage against the saturation threshold, the queue, evictions per minute, the TTFT quantile against the SLO, the prefix hit ratio and
 L2, with a marker at each moment a check started firing and a band of the verdict over time.
 """
 
@@ -154,6 +154,9 @@ def _charts(w: Window, tl: Timeline, config: Config) -> list[Chart]:
         pool.hlines = [(config.saturated_usage, f"saturated ({config.saturated_usage:g})", "#d62728")]
     else:
         pool.empty = "no usage reported"
+    admission = Chart("KV admission usage (usage + the room the next admission needs)", "ratio", tl.ts,
+                      [Line("admission usage", tl.values.get("admission_usage", []), "#d62728")], y_max=1.0)
+    admission.hlines = [(config.saturated_usage, f"saturated ({config.saturated_usage:g})", "#d62728")]
     queue = Chart("queue", "requests", xs, [Line("waiting", col("waiting"), "#ff7f0e"), Line("running", col("running"), "#1f77b4")])
     evictions = Chart("evictions (retract / preempt) per minute", "/min", xs, [Line("evictions", _per_minute(w, "evictions_total"), "#9467bd")])
     if not w.has("evictions_total"):
@@ -170,7 +173,7 @@ def _charts(w: Window, tl: Timeline, config: Config) -> list[Chart]:
             l2.lines = [Line("occupancy", _opt(np.where(cap > 0, used / cap, np.nan)), "#17becf")]
     else:
         l2.empty = "no L2 occupancy reported"
-    return [pool, queue, evictions, ttft, hit, l2]
+    return [pool, admission, queue, evictions, ttft, hit, l2]
 
 
 def _per_minute(w: Window, name: str) -> list[float | None]:
