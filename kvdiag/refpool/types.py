@@ -64,11 +64,16 @@ class SimRequest:
     recomputed_tokens: int = 0  # KV thrown away by those evictions
     device_hit_tokens: int = 0  # L1 prefix hit at first admission
     host_hit_tokens: int = 0  # L2 hit loaded back at first admission
+    _rid_crc: int = field(init=False, repr=False)  # crc32 of "<rid>:", the fixed head of next_token's input
+
+    def __post_init__(self) -> None:
+        self._rid_crc = zlib.crc32(f"{self.rid}:".encode())
 
     def next_token(self) -> int:
         """Deterministic id of the next output token, stable across processes (``hash()`` of a
-        string is salted per process), so replays are identical."""
-        return (zlib.crc32(f"{self.rid}:{len(self.output)}".encode()) & 0xFFFFFF) + 1_000_000
+        string is salted per process), so replays are identical: the crc32 of
+        ``"<rid>:<len(output)>"`` (continued from the cached crc of its head)."""
+        return (zlib.crc32(b"%d" % len(self.output), self._rid_crc) & 0xFFFFFF) + 1_000_000
 
     @property
     def all_tokens(self) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from kvdiag.refpool.sglang.prefill_budget import (
     PrefillBudget,
 )
 from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
-from kvdiag.refpool.sglang.schedule_batch import Req, check_decode_mem, get_decode_retraction_order
+from kvdiag.refpool.sglang.schedule_batch import Req, alloc_decode, check_decode_mem, get_decode_retraction_order
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler, default_max_running_requests
 from kvdiag.refpool.types import SimRequest, StepPlan, prefix_keys
 
@@ -88,6 +88,18 @@ def test_allocator_slots_start_at_one_and_free_list_is_sorted_on_demand() -> Non
     assert a.available_size() == 2
     assert a.alloc(1) == [1]  # release_pages merged and sorted when the free list ran short
     assert a.alloc(1) == [3]
+
+
+def test_decode_takes_the_batch_slots_in_one_alloc_like_the_engine() -> None:
+    """alloc_token_slots(bs): with the free list shorter than the batch, released slots are
+    merged and sorted before the take, so the batch gets the lowest slots, in order."""
+    a = TokenToKVPoolAllocator(6)
+    tree = RadixCache(a)
+    a.alloc(4)  # 1-4 taken; 5, 6 free
+    a.free([3, 1])  # released, not yet merged
+    reqs = [make_req([7, 8], 4), make_req([9], 4), make_req([10], 4)]
+    assert alloc_decode(reqs, tree) == [1, 3, 5]
+    assert [r.kv_indices for r in reqs] == [[1], [3], [5]] and a.available_size() == 1
 
 
 def test_allocator_rejects_double_free_and_padding() -> None:

@@ -31,11 +31,9 @@ def decode_run(s: SGLangScheduler) -> DecodeRun | None:
     n = len(batch)
     steps_to_report = s.decode_log_interval - s.forward_ct_decode % s.decode_log_interval
     k = min(steps_to_report, len(s.allocator.free_pages) // n + 1)
-    for r in batch:
-        if r.finished:
-            return None  # the next step filters the batch (and may reset the latch)
-        k = min(k, min(r.sim.output_len, r.max_new_tokens) - len(r.sim.output))  # the k-th step finishes r
-    k -= 1
+    if k < 3 or any(r.finished for r in batch):
+        return None  # too short a run; or the next step filters the batch (and may reset the latch)
+    k = min(k, min(min(r.sim.output_len, r.max_new_tokens) - len(r.sim.output) for r in batch)) - 1  # the k-th step finishes r
     if k < 2:
         return None
     on_kv = queued and s._batch_full_on_kv

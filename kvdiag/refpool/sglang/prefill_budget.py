@@ -115,9 +115,7 @@ class PrefillAdder:
         self.rem_input_tokens = rem_input_tokens
         self.rem_chunk_tokens = rem_chunk_tokens
         self.memory_budget = PrefillBudget(tree_cache)
-        self.memory_budget.total_offset += sum(
-            self._get_running_request_total_token_offset(r) for r in running_reqs
-        )
+        self.memory_budget.total_offset += sum(map(self._get_running_request_total_token_offset, running_reqs))
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
         # Hit accounting of this batch (cache_hit_rate, prefill_effective_tokens_total).

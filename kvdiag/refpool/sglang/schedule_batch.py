@@ -9,8 +9,9 @@
   into the tree and the lock moves to its last node (prompt -> protected); on finish the whole
   sequence is inserted and unlocked (-> evictable); on retract/abort the private part is freed
   and the prompt left in the tree unlocked.
-* ``alloc_extend`` / ``alloc_decode`` mirror the paged allocator's ``alloc_extend`` /
-  ``alloc_decode``: a request first fills the free tail of its last page, then takes new pages.
+* ``alloc_extend`` / ``alloc_decode`` mirror the allocators' ``alloc_extend`` / ``alloc_decode``:
+  a request first fills the free tail of its last page, then takes new pages; a decode step
+  allocates for the whole batch at once.
 * ``check_decode_mem`` and ``get_decode_retraction_order`` mirror ``ScheduleBatch``.
 """
 
@@ -140,8 +141,28 @@ def alloc_extend(req: Req, tree: RadixCache, num_tokens: int) -> list[int]:
     return slots
 
 
+def alloc_decode(reqs: list[Req], tree: RadixCache) -> list[int]:
+    """One slot appended to each request's row for a decode step; returns the slots in order.
+
+    Page size 1 takes the whole batch's slots in one ``alloc(len(reqs))``, as the engine's
+    ``alloc_token_slots`` does (so released slots are merged and sorted before the take when the
+    free list is short). Paged pools fill each row's last page first (``alloc_extend``).
+    """
+    allocator = tree.token_to_kv_pool_allocator
+    if allocator.page_size != 1:
+        return [alloc_extend(req, tree, 1)[0] for req in reqs]
+    slots = allocator.alloc(len(reqs))
+    if slots is None:
+        raise RuntimeError(f"out of memory: cannot allocate {len(reqs)} decode slots")
+    for req, slot in zip(reqs, slots):
+        req.kv_indices.append(slot)
+    return slots
+
+
 def new_tokens_required_next_decode(reqs: list[Req], page_size: int) -> int:
     """Slots the next decode step needs: a page for each request whose last page is full."""
+    if page_size == 1:
+        return len(reqs)  # every row's last page is full
     return page_size * sum(1 for r in reqs if len(r.kv_indices) % page_size == 0)
 
 

@@ -30,6 +30,7 @@ from kvdiag.refpool.sglang.prefill_budget import (
 from kvdiag.refpool.sglang.radix_cache import RadixCache
 from kvdiag.refpool.sglang.schedule_batch import (
     Req,
+    alloc_decode,
     alloc_extend,
     check_decode_mem,
     checkpoint_kv_cache,
@@ -153,15 +154,17 @@ class SGLangScheduler:
     def update_from_output(self, plan: StepPlan, now: float) -> list[SimRequest]:
         before = self._l2_counters()
         finished: list[SimRequest] = []
-        is_extend = any(c.is_prefill for c in plan.chunks)
+        is_extend = bool(plan.chunks) and plan.chunks[0].is_prefill  # a batch is all prefill or all decode
+        reqs, chunked_req = self.reqs, self.chunked_req
         for chunk in plan.chunks:
-            req = self.reqs[chunk.req]
-            if req is self.chunked_req:
+            req = reqs[chunk.req]
+            if req is chunked_req:
                 checkpoint_kv_cache(req, self.tree_cache)  # stash_chunked_request
                 continue
-            req.sim.output.append(req.sim.next_token())
-            if req.sim.first_token is None:
-                req.sim.first_token = now
+            sim = req.sim
+            sim.output.append(sim.next_token())
+            if sim.first_token is None:
+                sim.first_token = now
             if req.should_finish():
                 release_kv_cache(req, self.tree_cache, checkpoint=True)
                 req.finished = True
@@ -300,12 +303,14 @@ class SGLangScheduler:
             self.batch_is_full = False
         if not self.running_batch:  # its last request was aborted
             return False
-        for req in self.running_batch:
-            pos = len(req.kv_indices)
-            slot = alloc_extend(req, self.tree_cache, 1)
-            if self.moves_bytes:
-                self.store.write("device", slot, req.kv_keys(pos, pos + 1))
-            plan.chunks.append(ScheduledChunk(req.sim, 1, pos, is_prefill=False))
+        batch = self.running_batch
+        chunks = [ScheduledChunk(req.sim, 1, len(req.kv_indices), False) for req in batch]
+        slots = alloc_decode(batch, self.tree_cache)
+        if self.moves_bytes:
+            for req, chunk, slot in zip(batch, chunks, slots):
+                pos = chunk.num_context_tokens
+                self.store.write("device", [slot], req.kv_keys(pos, pos + 1))
+        plan.chunks.extend(chunks)
         return True
 
     def _retract_decode(self) -> list[Req]:

@@ -109,10 +109,12 @@ class KVCacheManager:
         A prefix-hit block that is currently free (ref_cnt 0, in the free queue) leaves the free
         pool when touched, so it counts toward the need exactly like a new block.
         """
-        num_required_blocks = cdiv(num_tokens, self.block_size)
+        num_required_blocks = -(-num_tokens // self.block_size)  # cdiv, inlined: runs per request per step
         num_new_blocks = (
-            num_required_blocks - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, []))
+            num_required_blocks - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
         )
+        if not new_computed_blocks:  # a running request's step: no hits to adopt
+            return num_new_blocks
         num_evictable_computed_blocks = sum(
             1 for blk in new_computed_blocks if blk.ref_cnt == 0 and not blk.is_null
         )
@@ -130,9 +132,20 @@ class KVCacheManager:
         has_scheduled_reqs: bool = True,
     ) -> bool:
         """Whether ``allocate_slots`` with these arguments would succeed (it changes nothing)."""
-        hits = new_computed_blocks or []
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
+        num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        return self._fits(request, num_tokens_need_slot, new_computed_blocks or [], full_sequence_must_fit, has_scheduled_reqs)
+
+    def _fits(
+        self,
+        request: Request,
+        num_tokens_need_slot: int,
+        hits: list[KVCacheBlock],
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> bool:
+        """``fits`` once the slots needed are known (``allocate_slots`` derives them only once)."""
         # The watermark applies to waiting/preempted requests only, and only when something is
         # already scheduled (so an empty engine can always admit its first request).
         watermark_blocks = 0
@@ -145,7 +158,6 @@ class KVCacheManager:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             if self.get_num_blocks_to_allocate(request.request_id, full_num_tokens, hits) + watermark_blocks > free:
                 return False
-        num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         return self.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits) + watermark_blocks <= free
 
     def allocate_slots(
@@ -168,15 +180,12 @@ class KVCacheManager:
         """
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no external computed tokens")
-        if not self.fits(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, full_sequence_must_fit, has_scheduled_reqs,
-        ):  # fmt: skip
-            return None
         hits = new_computed_blocks or []
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
         num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if not self._fits(request, num_tokens_need_slot, hits, full_sequence_must_fit, has_scheduled_reqs):
+            return None
         if hits or num_external_computed_tokens > 0:
             self._allocate_new_computed_blocks(
                 request.request_id, hits, num_local_computed_tokens, num_external_computed_tokens
@@ -213,7 +222,7 @@ class KVCacheManager:
 
     def _allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_new_blocks = -(-num_tokens // self.block_size) - len(req_blocks)  # cdiv, inlined: runs per request per step
         if num_new_blocks <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
@@ -222,10 +231,10 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash and index the request's blocks that are full within ``num_tokens``."""
-        if not self.enable_caching:
+        num_full_blocks = num_tokens // self.block_size
+        if not self.enable_caching or num_full_blocks == 0:
             return
         num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
-        num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
         blocks, bs = self.req_to_blocks[request.request_id], self.block_size

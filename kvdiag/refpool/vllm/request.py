@@ -59,7 +59,11 @@ class Request:
             self.num_tokens = len(keys)
             return
         self.num_tokens += len(tokens)
-        hashes = self.block_hashes
+        self._hash_full_blocks()
+
+    def _hash_full_blocks(self) -> None:
+        """Fold the hashes of blocks that became full (accounting-only: no per-token keys)."""
+        bs, hashes = self.block_size, self.block_hashes
         while len(hashes) < self.num_tokens // bs:
             lo = len(hashes) * bs
             hashes.append(chain_key(hashes[-1] if hashes else 0, self._tokens(lo, lo + bs)))
@@ -81,7 +85,12 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         """Append a sampled token and extend ``block_hashes`` when a block becomes full."""
         self.sim.output.append(token_id)
-        self._append((token_id,))
+        if self.track_keys:
+            self._append((token_id,))
+            return
+        self.num_tokens += 1  # one token fills at most one block: the only hash that can be due
+        if self.num_tokens % self.block_size == 0:
+            self._hash_full_blocks()
 
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)

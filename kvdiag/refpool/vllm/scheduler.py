@@ -171,13 +171,15 @@ class VLLMScheduler:
         preempted: list[Request] = []
 
         # Phase A: RUNNING requests, in order.
+        running, threshold = self.running, self.long_prefill_token_threshold
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
             num_new_tokens = request.num_tokens - request.num_computed_tokens  # 1 for a decode
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = self.long_prefill_token_threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             assert num_new_tokens > 0, f"running request with nothing to compute: {request}"
             while True:
                 new_blocks = kv.allocate_slots(request, num_new_tokens)
@@ -192,8 +194,8 @@ class VLLMScheduler:
                 break
             # vLLM does not label chunks; a decode is the one new token of a request that has
             # sampled before (a resumed request recomputing its last token counts as one too).
-            is_decode = bool(request.sim.output) and request.num_computed_tokens == request.num_tokens - 1
-            self._add_chunk(out, request, num_new_tokens, is_prefill=not is_decode, now=now)
+            is_decode = request.num_computed_tokens == request.num_tokens - 1 and bool(request.sim.output)
+            self._add_chunk(out, request, num_new_tokens, not is_decode, now)
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -257,22 +259,25 @@ class VLLMScheduler:
         meta = out.connector_meta
         if self.connector is not None and meta is not None:
             self.connector.start_load_kv(meta)
-        for request, n in out.scheduled:
-            self._write_kv(request, request.num_computed_tokens, n)
-        for request in out.new_reqs:  # prefix hits and loads, read by this forward
-            self._verify_kv(request, request.num_computed_tokens)
+        if self.moves_bytes:
+            for request, n in out.scheduled:
+                self._write_kv(request, request.num_computed_tokens, n)
+            for request in out.new_reqs:  # prefix hits and loads, read by this forward
+                self._verify_kv(request, request.num_computed_tokens)
         if self.connector is not None and meta is not None:
             self.connector.wait_for_save(meta)
 
         finished: list[SimRequest] = []
+        sampled = 0
         for request, n in out.scheduled:
             request.num_computed_tokens += n
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill chunk: its sample is discarded
-            request.append_output_token_ids(request.sim.next_token())
-            self.generation_tokens_total += 1
-            if request.sim.first_token is None:
-                request.sim.first_token = now
+            sim = request.sim
+            request.append_output_token_ids(sim.next_token())
+            sampled += 1
+            if sim.first_token is None:
+                sim.first_token = now
                 self.prompt_tokens_total += request.num_prompt_tokens
             if self._check_stop(request):
                 self._verify_kv(request, request.num_computed_tokens)
@@ -280,6 +285,7 @@ class VLLMScheduler:
                 self._free_request(request)
                 request.sim.finished = now
                 finished.append(request.sim)
+        self.generation_tokens_total += sampled
         if self.debug:
             self.check_invariants()
         return finished
@@ -353,8 +359,6 @@ class VLLMScheduler:
         return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
 
     def _write_kv(self, request: Request, start: int, n: int) -> None:
-        if not self.moves_bytes:
-            return
         keys = request.token_keys[start : start + n]
         self.store.write("device", self._slots(request, start, start + n), keys)
 
