@@ -4,9 +4,12 @@ The engine loop: a 1.5 M-token pool (Llama-3-8B step times on an H200) under 50 
 chat load (1k-token prompts, half shared with one of 8 system prompts, ~800-token answers, so
 about a thousand requests run at once), accounting-only (``NullStore``). The engine first warms
 up to its steady state (not timed), then runs ``--seconds`` simulated seconds (timed); goal
->= 1,000x. Runs of identical decode steps are fast-forwarded (exactly; ``--step-by-step`` turns
-that off). The pool operations: SGLang's radix tree (match_prefix + insert + lock/unlock, with
-LRU eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per second.
+>= 1,000x. Each engine is timed twice in one run: at CPython's default GC thresholds (the
+baseline) and with ``sim.tune_gc()``, as the simulate and validate commands run. Runs of
+identical decode steps are fast-forwarded (exactly; ``--step-by-step`` turns that off). The
+pool operations (with the tuned GC): SGLang's radix tree (match_prefix + insert + lock/unlock,
+with LRU eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per
+second.
 
 Usage: .venv/bin/python bench/bench_refpool.py [--seconds 60] [--warmup 40] [--engine sglang|vllm]
 Last line: JSON with the figures.
@@ -15,6 +18,7 @@ Last line: JSON with the figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -23,7 +27,7 @@ from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.sglang.radix_cache import RadixCache
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.sim import Simulation
+from kvdiag.refpool.sim import Simulation, tune_gc
 from kvdiag.refpool.vllm.block_pool import BlockPool
 from kvdiag.refpool.vllm.request import Request
 from kvdiag.refpool.types import SimRequest
@@ -104,12 +108,19 @@ def main() -> None:
     p.add_argument("--step-by-step", action="store_true", help="no fast-forward of identical decode steps")
     args = p.parse_args()
     out: dict[str, object] = {"pool_tokens": POOL_TOKENS, "rate": RATE}
+    default_gc = gc.get_threshold()
     for engine in args.engine or ("sglang", "vllm"):
+        gc.set_threshold(*default_gc)
+        base = engine_speed(engine, args.warmup, args.seconds, fast_forward=not args.step_by_step)
+        tune_gc()  # as `kvdiag simulate` and `kvdiag validate` run
         r = engine_speed(engine, args.warmup, args.seconds, fast_forward=not args.step_by_step)
+        r["sim_per_wall_default_gc"] = base["sim_per_wall"]
         out[engine] = r
         print(
             f"{engine}: {r['sim_per_wall']:.1f} simulated s per wall s in steady state ({r['steps_per_s']:.0f} steps/s, "
-            f"{r['running']:.0f} running), {r['sim_per_wall_from_empty']:.1f} from an empty pool"
+            f"{r['running']:.0f} running), {r['sim_per_wall_from_empty']:.1f} from an empty pool; "
+            f"{r['sim_per_wall'] / base['sim_per_wall']:.2f}x the same run at CPython's default GC thresholds "
+            f"({base['sim_per_wall']:.1f})"
         )
     out["radix_ops_per_s"] = radix_ops()
     out["block_pool_ops_per_s"] = block_pool_ops()

@@ -19,6 +19,7 @@ from rich.console import Console
 from kvdiag.refpool import emit
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, ScenarioRun, get
 from kvdiag.refpool.serve import MetricsServer
+from kvdiag.refpool.sim import tune_gc
 from kvdiag.sources.recording import RecordingWriter
 
 EXIT_ERROR = 3
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdiag simulate: {problem}", file=sys.stderr)
         return EXIT_ERROR
     scenario = get(args.scenario, args.mem_fraction)
+    tune_gc()
     sim = ScenarioRun(scenario, args.engine)
     try:
         sim.exposition(args.dialect)  # a dialect that cannot render this server fails here, once

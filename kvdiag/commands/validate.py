@@ -19,6 +19,7 @@ from rich.table import Table
 
 from kvdiag import config as cfg
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, get
+from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.validate import Report, validate
 
 EXIT_ERROR = 3
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvdiag validate: --interval must be > 0", file=sys.stderr)
         return EXIT_ERROR
     scenarios = [get(name, args.mem_fraction) for name in (args.scenario or SCENARIOS)]
+    tune_gc()
     report = validate(scenarios, args.engine or ENGINES, config, args.interval)
     if args.json:
         print(json.dumps(report.as_json(), indent=2))
