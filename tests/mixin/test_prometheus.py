@@ -268,3 +268,27 @@ def test_check_statuses_agree_with_python(world: World) -> None:
                     python[(name, labels.get("engine", ""), labels.get("dp_rank", ""), check)] = result.status
     diff = {k: (prom.get(k), python.get(k)) for k in set(prom) | set(python) if prom.get(k) != python.get(k)}
     assert not diff, diff
+
+
+def test_admission_usage_agrees_with_python(world: World) -> None:
+    """The recorded admission usage equals the figure the Python S check judged, per instance:
+    usage + (uncached prompt [+ output x (1 + reserve x running)]) / capacity, or usage."""
+    prom = {
+        (s["metric"]["job"], s["metric"].get("engine", ""), s["metric"].get("dp_rank", "")): float(s["value"][1])
+        for s in world.prom.query("instance:kvdiag_kv_admission_usage:ratio5m")
+    }
+    python: dict[tuple[str, str, str], float] = {}
+    for name, served in world.served.items():
+        with served.lock:
+            scrapes = list(served.scrapes)
+        samples = [ps for sc in scrapes for ps in normalize_scrape(sc)]
+        for window in windows(samples, CONFIG.window).values():
+            labels = window.last.labels
+            value = diagnose(window, CONFIG).checks["kv_usage_saturated"].evidence.values.get("admission_usage_last")
+            if isinstance(value, float):
+                python[(name, labels.get("engine", ""), labels.get("dp_rank", ""))] = value
+    assert set(prom) == set(python)
+    assert python[("sglang-admission-reserve", "", "")] == 1.0  # 0.93 + 48 x 0.7 x 500 + ... tokens: full
+    assert python[("sglang-dp2", "", "1")] > 0.5  # the reserve counts below a pinned pool too
+    off = {k: (prom[k], python[k]) for k in prom if abs(prom[k] - python[k]) > 0.005}
+    assert not off, off
