@@ -16,13 +16,14 @@ Per sample, over the check span::
     admission = min(1, usage + need / capacity)
 
 ``prompt`` and ``output`` are tokens per finished request over the span (over the engine's
-lifetime when none finished in it), ``hit ratio`` the prefix-cache hit ratio over the span from counters. The
-running requests' remaining output is estimated by the mean output of finished requests: the
-engine reserves ``max_tokens - generated`` per request and does not export ``max_tokens``;
-clients ask for at least what they get, and a running request is on average halfway through,
-so the estimate lies between the two. Where an input is missing, admission usage is the usage
-gauge (``basis`` says which input). PromQL twin: ``instance:kvdiag_kv_admission_usage:ratio*``
-in ``kvdiag.render.normalize``.
+lifetime when none finished in it), ``hit ratio`` the prefix-cache hit ratio over the span from
+counters. The running requests' remaining output is estimated by the mean output of finished
+requests: the engine reserves ``max_tokens - generated`` per request and does not export
+``max_tokens``; clients ask for at least what they get, and a running request is on average
+halfway through, so the estimate lies between the two (clients asking for far more than they
+get make the real reserve larger, and the check can still miss it). Where an input is
+missing, admission usage is the usage gauge (``basis`` says which input). PromQL twin:
+``instance:kvdiag_kv_admission_usage:ratio*`` in ``kvdiag.render.normalize``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     missing = [name for name, v in (("tokens per request", prompt), ("prefix hit ratio", hit)) if v is None]
     if np.isnan(capacity).all():
         missing.insert(0, "pool capacity")
-    if missing or prompt is None or hit is None:
+    if missing or prompt is None or hit is None:  # (the last two only narrow the types)
         zeros = np.zeros(len(usage))
         return AdmissionUsage(ts, usage, usage, zeros, prompt, output, hit, reserve_last, "usage only: no " + ", ".join(missing))
 
