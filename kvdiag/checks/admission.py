@@ -12,7 +12,7 @@ which can happen well before the usage gauge reads 1:
 
 Per sample, over the check span::
 
-    need      = prompt x (1 - hit ratio)  [+ output x (1 + reserve_ratio x running)]
+    need      = prompt x (1 - hit ratio)  [+ min(output, clip) x (1 + reserve_ratio x running)]
     admission = min(1, usage + need / capacity)
 
 ``prompt`` and ``output`` are tokens per finished request over the span (over the engine's
@@ -21,7 +21,8 @@ counters. The running requests' remaining output is estimated by the mean output
 requests: the engine reserves ``max_tokens - generated`` per request and does not export
 ``max_tokens``; clients ask for at least what they get, and a running request is on average
 halfway through, so the estimate lies between the two (clients asking for far more than they
-get make the real reserve larger, and the check can still miss it). Where an input is
+get make the real reserve larger, and the check can still miss it). ``clip`` is the most output
+the engine charges one request (from its adapter). Where an input is
 missing, admission usage is the usage gauge (``basis`` says which input). PromQL twin:
 ``instance:kvdiag_kv_admission_usage:ratio*`` in ``kvdiag.render.normalize``.
 """
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvdiag import engines
 from kvdiag.checks.base import counter_ratio, per_request, recent
 from kvdiag.config import Config
 from kvdiag.window import Window
@@ -64,6 +66,7 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     prompt, _ = per_request(window, config, "prompt_tokens_total")
     output, _ = per_request(window, config, "generation_tokens_total")
     hit = _hit_ratio(window, config)
+    clip = _output_clip(window.engine)
     reserve_last = float(reserve[-1]) if len(reserve) and not np.isnan(reserve[-1]) else None
 
     missing = [name for name, v in (("tokens per request", prompt), ("prefix hit ratio", hit)) if v is None]
@@ -74,11 +77,12 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
         return AdmissionUsage(ts, usage, usage, zeros, prompt, output, hit, reserve_last, "usage only: no " + ", ".join(missing))
 
     need = np.full(len(usage), prompt * (1.0 - hit))
-    reserves = output is not None and not np.isnan(reserve).all()
-    if reserves:
-        need += np.nan_to_num(output * (1.0 + reserve * running))
+    basis = "usage and uncached prompt"
+    if output is not None and not np.isnan(reserve).all():  # the engine reserves output
+        charged = min(output, clip) if clip else output
+        need += np.nan_to_num(charged * (1.0 + reserve * running))
+        basis = "usage, uncached prompt and output reserve"
     admission = np.where(np.isnan(capacity), usage, np.minimum(1.0, usage + need / capacity))
-    basis = "usage, uncached prompt and output reserve" if reserves else "usage and uncached prompt"
     return AdmissionUsage(ts, usage, admission, need, prompt, output, hit, reserve_last, basis)
 
 
@@ -87,3 +91,11 @@ def _hit_ratio(window: Window, config: Config) -> float | None:
     if not (window.has("prefix_query_tokens_total") and window.has("prefix_hit_tokens_total")):
         return None
     return counter_ratio(window, config, "prefix_hit_tokens_total", "prefix_query_tokens_total")[1]
+
+
+def _output_clip(engine: str) -> int | None:
+    """The engine's cap on the output one request is charged (its adapter knows it)."""
+    try:
+        return engines.output_reserve_clip(engine)
+    except KeyError:
+        return None

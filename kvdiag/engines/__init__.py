@@ -2,6 +2,7 @@
 
 This package is the only place that knows engine names. Each adapter module exposes
 ``NAME``, ``WANTED`` (the families it reads), ``SIGNATURE``, ``KNOBS``, ``ENABLE_HINT``,
+``OUTPUT_RESERVE_CLIP``,
 ``detect(expo)`` and ``normalize(expo, target, ts)``.
 """
 
@@ -31,6 +32,11 @@ def known_metrics() -> frozenset[str]:
 
 def knobs(engine: str) -> Knobs:
     return ADAPTERS[engine].KNOBS
+
+
+def output_reserve_clip(engine: str) -> int | None:
+    """The most output tokens the engine's admission charges one request (None: no clip)."""
+    return ADAPTERS[engine].OUTPUT_RESERVE_CLIP  # type: ignore[no-any-return]
 
 
 def enable_hint(engine: str) -> str:

@@ -82,6 +82,10 @@ KNOBS = Knobs(
 
 ENABLE_HINT = "start SGLang with --enable-metrics (without it /metrics is a 404)"
 
+#: Admission charges each request at most this much output (CLIP_MAX_NEW_TOKENS, env
+#: SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION): the running requests' reserve and the next request's.
+OUTPUT_RESERVE_CLIP = 4096
+
 _STREAM = ("is_streaming",)
 
 

@@ -59,6 +59,9 @@ KNOBS = Knobs(
 
 ENABLE_HINT = "vLLM serves vllm:* metrics unless started with --disable-log-stats; drop that flag"
 
+#: Admission reserves no output (it allocates blocks as tokens come), so nothing to clip.
+OUTPUT_RESERVE_CLIP: int | None = None
+
 
 def detect(expo: Exposition) -> bool:
     return any(expo.get(name) is not None for name in SIGNATURE)

@@ -189,14 +189,15 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
 
     # Admission usage (kvdiag/checks/admission.py): usage + what the next admission needs, the
     # uncached prompt, and where the engine reserves output (SGLang's new_token_ratio) the next
-    # request's output plus ratio x output for every running request; usage where an input is
-    # missing.
+    # request's output plus ratio x output for every running request, output clipped as the
+    # engine clips it; usage where an input is missing.
     reserve = add(None, gauge(lbl, S + "new_token_ratio"), "instance:kvdiag_decode_reserve:ratio",
                   "share of running requests' remaining output that admission holds back, where reported")
     running = _catalog("instance:kvdiag_running:requests", config)[0]
     hit = _catalog("instance:kvdiag_prefix_hit:ratio{window}", config)[0]
     prompt_need = f"{prompt_avg} * (1 - {hit})"
-    output_need = f"({output_avg} * (1 + {reserve} * {running}) or 0 * {prompt_need})"
+    charged = f"clamp_max({output_avg}, {sglang.OUTPUT_RESERVE_CLIP})"
+    output_need = f"({charged} * (1 + {reserve} * {running}) or 0 * {prompt_need})"
     add("instance:kvdiag_kv_admission_usage:ratio{window}", first(
         f"clamp_max({usage} + ({prompt_need} + {output_need}) / {capacity}, 1) >= 0",  # >= 0 drops NaN (0/0)
         usage,

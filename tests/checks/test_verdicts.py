@@ -129,6 +129,14 @@ def test_output_reserve_counts_as_taken_where_the_engine_reports_it() -> None:
     assert p["admission_usage_last"] == pytest.approx(0.93 + 600 / 200_000) and p["admission_basis"] == "usage and uncached prompt"
 
 
+def test_output_reserve_is_clipped_as_the_engine_clips_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """10k-token answers: admission charges each request at most the engine's clip (4,096)."""
+    monkeypatch.setattr("tests.checks.scenario.OUTPUT", 10_000)
+    s = run("sglang", usage=const(0.5), running=const(20)).checks["kv_usage_saturated"].evidence.values
+    assert s["output_per_request"] == 10_000
+    assert s["need_tokens_last"] == pytest.approx(4096 * (1 + 0.7 * 20) + 600)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_admission_usage_is_the_usage_gauge_without_traffic_counters(engine: str) -> None:
     d = run(engine, usage=const(0.96), requests=0)
