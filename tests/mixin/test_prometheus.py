@@ -24,7 +24,7 @@ from kvdiag.checks import diagnose
 from kvdiag.checks.catalog import FINDINGS, VERDICTS
 from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
-from kvdiag.model import Scrape
+from kvdiag.model import Diagnosis, Scrape
 from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.render import GRAFANA_ALERTS, RULES_ALERTS, RULES_RECORDING, RUNBOOKS
@@ -169,18 +169,23 @@ def test_vllm_capacity_from_cache_config_info_labels(world: World) -> None:
 def test_prometheus_and_python_checks_give_the_same_verdict(world: World) -> None:
     """Parity: the bodies Prometheus scraped, through the adapters and the Python checks."""
     prom = _verdicts_from_alerts(world.prom)
-    python: dict[tuple[str, str, str], tuple[str, set[str]]] = {}
-    for name, s in world.served.items():
-        with s.lock:
-            scrapes = list(s.scrapes)
-        samples = [ps for sc in scrapes for ps in normalize_scrape(sc)]
-        for inst, window in windows(samples, CONFIG.window).items():
-            d = diagnose(window, CONFIG)
-            labels = window.last.labels
-            key = (name, labels.get("engine", ""), labels.get("dp_rank", ""))
-            python[key] = (d.verdict.name, {f.name for f in d.findings if FINDINGS[f.name].alert})
+    python = {key: (d.verdict.name, {f.name for f in d.findings if FINDINGS[f.name].alert}) for key, d in _python(world).items()}
     assert python == prom
     assert python == _expected()
+
+
+def _python(world: World) -> dict[tuple[str, str, str], Diagnosis]:
+    """The Python diagnosis of every instance, from the bodies Prometheus scraped, keyed by
+    (job, vLLM engine, SGLang dp_rank) like the recorded series."""
+    out = {}
+    for name, served in world.served.items():
+        with served.lock:
+            scrapes = list(served.scrapes)
+        samples = [ps for sc in scrapes for ps in normalize_scrape(sc)]
+        for window in windows(samples, CONFIG.window).values():
+            labels = window.last.labels
+            out[(name, labels.get("engine", ""), labels.get("dp_rank", ""))] = diagnose(window, CONFIG)
+    return out
 
 
 def test_idle_engine_never_alerts(world: World) -> None:
@@ -256,16 +261,12 @@ def test_check_statuses_agree_with_python(world: World) -> None:
     for s in world.prom.query("instance:kvdiag_check:status"):
         m = s["metric"]
         prom[(m["job"], m.get("engine", ""), m.get("dp_rank", ""), m["check"])] = "firing" if s["value"][1] == "1" else "ok"
-    python: dict[tuple[str, str, str, str], str] = {}
-    for name, served in world.served.items():
-        with served.lock:
-            scrapes = list(served.scrapes)
-        samples = [ps for sc in scrapes for ps in normalize_scrape(sc)]
-        for window in windows(samples, CONFIG.window).values():
-            labels = window.last.labels
-            for check, result in diagnose(window, CONFIG).checks.items():
-                if result.status != "unknown":
-                    python[(name, labels.get("engine", ""), labels.get("dp_rank", ""), check)] = result.status
+    python = {
+        (*key, check): result.status
+        for key, d in _python(world).items()
+        for check, result in d.checks.items()
+        if result.status != "unknown"
+    }
     diff = {k: (prom.get(k), python.get(k)) for k in set(prom) | set(python) if prom.get(k) != python.get(k)}
     assert not diff, diff
 
@@ -277,16 +278,11 @@ def test_admission_usage_agrees_with_python(world: World) -> None:
         (s["metric"]["job"], s["metric"].get("engine", ""), s["metric"].get("dp_rank", "")): float(s["value"][1])
         for s in world.prom.query("instance:kvdiag_kv_admission_usage:ratio5m")
     }
-    python: dict[tuple[str, str, str], float] = {}
-    for name, served in world.served.items():
-        with served.lock:
-            scrapes = list(served.scrapes)
-        samples = [ps for sc in scrapes for ps in normalize_scrape(sc)]
-        for window in windows(samples, CONFIG.window).values():
-            labels = window.last.labels
-            value = diagnose(window, CONFIG).checks["kv_usage_saturated"].evidence.values.get("admission_usage_last")
-            if isinstance(value, float):
-                python[(name, labels.get("engine", ""), labels.get("dp_rank", ""))] = value
+    python = {
+        key: value
+        for key, d in _python(world).items()
+        if isinstance(value := d.checks["kv_usage_saturated"].evidence.values.get("admission_usage_last"), float)
+    }
     assert set(prom) == set(python)
     assert python[("sglang-admission-reserve", "", "")] == 1.0  # 0.93 + 48 x 0.7 x 500 + ... tokens: full
     assert python[("sglang-dp2", "", "1")] > 0.5  # the reserve counts below a pinned pool too
