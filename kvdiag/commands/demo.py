@@ -1,12 +1,14 @@
 """``kvdiag demo``: the main job on an embedded default, no GPU and no engine needed.
 
-Two simulated engines (SGLang and vLLM, each in its own release's exposition) play the seed's
-story on loopback: shared-prefix load ramps until the KV pool is pinned while L2 stays mostly
-empty. The real exporter (``kvdiag serve``'s scrape loop and HTTP app) scrapes them, keeps a
-window per instance and runs the checklist; the terminal shows the pool and the verdict as
-they move from healthy to the L1 bottleneck, then the full diagnosis with its remedies.
+Two reference engines (``kvdiag/refpool/``: SGLang's and vLLM's schedulers and KV pools, each
+serving its own release's exposition) run the ``l1-saturation`` scenario on loopback:
+shared-prefix load ramps until the KV pool is the limit while L2 stays mostly empty. The real
+exporter (``kvdiag serve``'s scrape loop and HTTP app) scrapes them, keeps a window per instance
+and runs the checklist; the terminal shows the pool and the verdict as they move from healthy
+to L1: vLLM preempts and recomputes (``l1_kv_bottleneck``), SGLang's admission blocks on its
+output reserve without retracting (``l1_kv_pressure``). Then the full diagnosis with remedies.
 
-The story runs ``--speed`` times faster than the wall clock, so the exporter's window is the
+The engines run ``--speed`` times faster than the wall clock, so the exporter's window is the
 checklist's default window (5 minutes of the story) divided by the speed.
 """
 
@@ -25,9 +27,10 @@ from rich.table import Table
 
 from kvdiag.config import Config
 from kvdiag.model import Diagnosis, PoolSample
-from kvdiag.refpool.emit import content_type, render
-from kvdiag.refpool.scripted import SaturationStory
+from kvdiag.refpool.emit import content_type
+from kvdiag.refpool.scenarios import ENGINES, ScenarioRun, get
 from kvdiag.refpool.serve import MetricsServer
+from kvdiag.refpool.sim import tune_gc
 from kvdiag.report.diagnosis import render as render_diagnoses
 from kvdiag.report.terminal import fmt, inspect_table
 from kvdiag.server.settings import ScrapeSettings, Settings
@@ -37,31 +40,19 @@ from kvdiag.server.targets import make_target
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="watch kvdiag read simulated SGLang and vLLM engines saturating their KV pool")
-    p.add_argument("--duration", type=float, default=30.0, help="wall seconds to run (default 30)")
+    p.add_argument("--duration", type=float, default=40.0, help="wall seconds to run (default 40)")
     p.add_argument("--speed", type=float, default=12.0, help="simulated seconds per wall second (default 12)")
     p.add_argument("--interval", type=float, default=1.0, help="wall seconds between scrapes (default 1)")
     p.add_argument("--no-live", action="store_true", help="plain timestamped lines instead of a live view")
     return p
 
 
-class SimClock:
-    """Simulated time: wall time since ``start()`` times the speed (0 before it starts, so the
-    story waits for the exporter to be up instead of running through its opening unseen)."""
-
-    def __init__(self, speed: float) -> None:
-        self.speed = speed
-        self.t0: float | None = None
-
-    def start(self) -> None:
-        self.t0 = time.monotonic()
-
-    def now(self) -> float:
-        return 0.0 if self.t0 is None else (time.monotonic() - self.t0) * self.speed
+SCENARIO = "l1-saturation"
 
 
-def _engine(engine: str, story: SaturationStory, clock: SimClock) -> MetricsServer:
+def _engine(sim: ScenarioRun) -> MetricsServer:
     def body(wants_om: bool) -> tuple[str, str]:
-        return render(engine, [story.state(clock.now())], openmetrics=wants_om, escape=wants_om), content_type(wants_om)
+        return sim.exposition(openmetrics=wants_om), content_type(wants_om)
 
     return MetricsServer(body).start()
 
@@ -151,17 +142,24 @@ def _verdicts(rows: list[Row], speed: float) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    story = SaturationStory()
-    clock = SimClock(args.speed)
-    engines = [_engine(e, story, clock) for e in ("sglang", "vllm")]
+    tune_gc()
+    sims = [ScenarioRun(get(SCENARIO), engine) for engine in ENGINES]
+    engines = [_engine(sim) for sim in sims]
     config = Config(window=Config().window / args.speed)
     exporter = Exporter([f"{e.url}/metrics" for e in engines], args.interval, config)
-    console.print(f"simulated engines: sglang {engines[0].url}/metrics, vllm {engines[1].url}/metrics")
+    console.print(", ".join(f"{sim.engine} {server.url}/metrics" for sim, server in zip(sims, engines)), highlight=False)
     console.print(
         f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs"
     )
     rows: list[Row] = []
-    clock.start()
+    stop = threading.Event()
+    # the story starts once the exporter is up, so its healthy opening is seen
+    drivers = [
+        threading.Thread(target=sim.follow_wall_clock, args=(args.speed, args.duration * args.speed, stop), daemon=True)
+        for sim in sims
+    ]
+    for driver in drivers:
+        driver.start()
     try:
         with contextlib.nullcontext() if args.no_live else Live(console=console, auto_refresh=False) as live:
             end = time.monotonic() + args.duration
@@ -171,9 +169,13 @@ def run(args: argparse.Namespace) -> int:
                 if live is not None:
                     live.update(Group(inspect_table([r.sample for r in rows]), _verdicts(rows, args.speed)), refresh=True)
                 else:
+                    now = min(sim.now for sim in sims)
                     for r in rows:
-                        console.print(_line(clock.now(), r), highlight=False)
+                        console.print(_line(now, r), highlight=False)
     finally:
+        stop.set()
+        for driver in drivers:
+            driver.join(timeout=5)
         exporter.stop()
         for server in engines:
             server.stop()

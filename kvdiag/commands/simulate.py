@@ -23,7 +23,6 @@ from kvdiag.refpool.sim import tune_gc
 from kvdiag.sources.recording import RecordingWriter
 
 EXIT_ERROR = 3
-TICK_S = 0.05  # wall seconds between advances of the live simulation
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -112,28 +111,13 @@ def _serve(sim: ScenarioRun, args: argparse.Namespace, duration: float) -> int:
         return EXIT_ERROR
     print(f"serving {sim.engine} scenario {sim.scenario.name} on {server.url}/metrics "
           f"({args.speed:g}x, {duration:g} simulated seconds)", file=sys.stderr, flush=True)
-    stop = threading.Event()
+    def lagging(behind: float) -> None:
+        print(f"kvdiag simulate: the simulator is {behind:.0f}s behind; lower --speed", file=sys.stderr)
+
     try:
-        drive(sim, args.speed, duration, stop)
+        sim.follow_wall_clock(args.speed, duration, threading.Event(), lagging)
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
     return 0
-
-
-def drive(sim: ScenarioRun, speed: float, duration: float, stop: threading.Event) -> None:
-    """Advance simulated time in step with wall time × ``speed`` until ``duration`` (or ``stop``).
-    Warns once when the simulator cannot keep up (simulated time then lags behind)."""
-    t0 = time.monotonic()
-    warned = False
-    while not stop.is_set():
-        target = min((time.monotonic() - t0) * speed, duration)
-        sim.advance(target)
-        if target >= duration:
-            return
-        behind = (time.monotonic() - t0) * speed - sim.now
-        if behind > 10 * speed * TICK_S and not warned:
-            print(f"kvdiag simulate: the simulator is {behind:.0f}s behind; lower --speed", file=sys.stderr)
-            warned = True
-        stop.wait(TICK_S)

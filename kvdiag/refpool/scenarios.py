@@ -16,6 +16,8 @@ and the step time (one 70B decode step ≈ 16 ms) keeps the step count per simul
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping
 
@@ -31,6 +33,7 @@ from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 from kvdiag.refpool.workload import Arrivals, Fixed, LogNormal, Periodic, Poisson, Ramp, SharedPrefix, Uniform, Workload
 
 ENGINES = ("sglang", "vllm")
+TICK_S = 0.05  # wall seconds between advances of a live simulation
 BLOCK_SIZE = 16  # vLLM's default
 
 
@@ -164,6 +167,25 @@ class ScenarioRun:
                 self.engine, states, dialect=dialect, openmetrics=openmetrics, escape=openmetrics,
                 model=self.scenario.deployment.served_model,
             )  # fmt: skip
+
+    def follow_wall_clock(
+        self, speed: float, duration: float, stop: threading.Event, lagging: Callable[[float], None] | None = None
+    ) -> None:
+        """Advance simulated time in step with wall time x ``speed`` from now until ``duration``
+        (or ``stop``), for a live server. Calls ``lagging(seconds behind)`` once when the
+        simulator cannot keep up (simulated time then lags behind)."""
+        t0 = time.monotonic()
+        warned = False
+        while not stop.is_set():
+            target = min((time.monotonic() - t0) * speed, duration)
+            self.advance(target)
+            if target >= duration:
+                return
+            behind = (time.monotonic() - t0) * speed - self.now
+            if behind > 10 * speed * TICK_S and not warned and lagging is not None:
+                lagging(behind)
+                warned = True
+            stop.wait(TICK_S)
 
     def scrapes(self, interval: float, dialect: str | None = None, until: float | None = None) -> Iterator[tuple[float, Scrape]]:
         """(simulated t, scrape) every ``interval`` simulated seconds up to ``until`` (default:
