@@ -1,6 +1,6 @@
 """Scripted engine timelines: known EngineState series without running a scheduler.
 
-Tests and the demo need engines whose story is known in advance, second by second. A script
+The exporter's tests need engines whose story is known in advance, second by second. A script
 here is a function of time that returns the instance's state; ``emit.render`` turns it into
 the engine's exposition. The discrete-event simulator (``sim.py``) produces the same records
 from a real scheduler; scripts are for when the story itself must be fixed.
