@@ -226,6 +226,17 @@ SCENARIOS: dict[str, Scenario] = {
             sglang_write_policy="write_through_selective",
         ),
         Scenario(
+            "long-answers",
+            "The seed's story with long answers (~400-token prompts, ~1k-token answers, max_new_tokens = the "
+            "answer): decode grows the running requests faster than finishing ones free the pool, so SGLang, "
+            "admitting against its decayed new_token_ratio, retracts and recomputes, as vLLM preempts. The "
+            "queue grows and P99 TTFT collapses on both engines.",
+            ("l1_kv_bottleneck",),
+            (Workload(Ramp(((0.0, 0.3), (20.0, 0.3), (60.0, 4.0))), LogNormal(400, 0.4, hi=1600), LogNormal(1000, 0.5, hi=4000),
+                      prefix=SharedPrefix(4, 0.7), seed=1),),
+            duration=330.0,
+        ),
+        Scenario(
             "near-capacity",
             "Fixed-size requests arriving like clockwork hold the pool at ~97 % with no backlog and no "
             "eviction: at capacity, not yet limiting. SGLang cannot be held there: its admission keeps "
