@@ -132,10 +132,21 @@ class KVCacheManager:
         has_scheduled_reqs: bool = True,
     ) -> bool:
         """Whether ``allocate_slots`` with these arguments would succeed (it changes nothing)."""
+        _, _, num_tokens_need_slot = self._layout(
+            request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens
+        )
+        return self._fits(request, num_tokens_need_slot, new_computed_blocks or [], full_sequence_must_fit, has_scheduled_reqs)
+
+    def _layout(
+        self, request: Request, num_new_tokens: int, num_new_computed_tokens: int, num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> tuple[int, int, int]:
+        """(local computed, total computed, tokens that need a slot) along ``allocate_slots``'
+        layout, each capped at ``max_model_len``."""
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
         num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        return self._fits(request, num_tokens_need_slot, new_computed_blocks or [], full_sequence_must_fit, has_scheduled_reqs)
+        return num_local_computed_tokens, total_computed_tokens, num_tokens_need_slot
 
     def _fits(
         self,
@@ -181,9 +192,9 @@ class KVCacheManager:
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no external computed tokens")
         hits = new_computed_blocks or []
-        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
-        num_tokens_need_slot = min(total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_local_computed_tokens, total_computed_tokens, num_tokens_need_slot = self._layout(
+            request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens
+        )
         if not self._fits(request, num_tokens_need_slot, hits, full_sequence_must_fit, has_scheduled_reqs):
             return None
         if hits or num_external_computed_tokens > 0:
