@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 _MASK = (1 << 61) - 1
 
@@ -26,13 +26,15 @@ def token_key(prev_key: int, token: int) -> int:
     return ((prev_key * 1_000_003) ^ (token + 0x9E3779B97F4A7C15)) & _MASK
 
 
-def chain_key(prev_key: int, tokens: Iterable[int]) -> int:
-    """Key of the last of ``tokens`` given the key of the token before them: ``token_key``
-    folded over the run (block hashes without a list of every position's key)."""
-    k = prev_key
-    for t in tokens:
-        k = token_key(k, t)
-    return k
+_DIGITS: list[bytes] = []  # b"0", b"1", ...: the position part of next_token's crc input
+
+
+def output_ids(rid: str, n: int) -> list[int]:
+    """The first ``n`` output token ids of request ``rid`` (see ``SimRequest.next_token``)."""
+    if len(_DIGITS) < n:
+        _DIGITS.extend(b"%d" % i for i in range(len(_DIGITS), n))
+    head, crc = zlib.crc32(f"{rid}:".encode()), zlib.crc32
+    return [(crc(d, head) & 0xFFFFFF) + 1_000_000 for d in _DIGITS[:n]]
 
 
 def prefix_keys(tokens: Sequence[int], start_key: int = 0) -> list[int]:
@@ -64,16 +66,21 @@ class SimRequest:
     recomputed_tokens: int = 0  # KV thrown away by those evictions
     device_hit_tokens: int = 0  # L1 prefix hit at first admission
     host_hit_tokens: int = 0  # L2 hit loaded back at first admission
-    _rid_crc: int = field(init=False, repr=False)  # crc32 of "<rid>:", the fixed head of next_token's input
-
-    def __post_init__(self) -> None:
-        self._rid_crc = zlib.crc32(f"{self.rid}:".encode())
+    _output_ids: list[int] = field(default_factory=list, init=False, repr=False)  # next_token's answers, computed ahead
 
     def next_token(self) -> int:
         """Deterministic id of the next output token, stable across processes (``hash()`` of a
         string is salted per process), so replays are identical: the crc32 of
-        ``"<rid>:<len(output)>"`` (continued from the cached crc of its head)."""
-        return (zlib.crc32(b"%d" % len(self.output), self._rid_crc) & 0xFFFFFF) + 1_000_000
+        ``"<rid>:<len(output)>"``, masked to 24 bits and moved above the prompt vocabulary.
+
+        The ids of the whole answer are computed at the first call (``output_ids``): one tight
+        loop instead of a crc per request per decode step, which dominated the engine loop.
+        """
+        n = len(self.output)
+        ids = self._output_ids
+        if n >= len(ids):
+            ids = self._output_ids = output_ids(self.rid, max(n + 1, self.output_len, 2 * n))  # past EOS: doubling
+        return ids[n]
 
     @property
     def all_tokens(self) -> tuple[int, ...]:
@@ -84,9 +91,9 @@ class SimRequest:
         return len(self.output) >= self.output_len
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
-    """Work for one request in one engine step."""
+    """Work for one request in one engine step (slots: one is built per running request per step)."""
 
     req: SimRequest
     num_new_tokens: int  # tokens whose KV is computed this step (prefill chunk, or 1 for decode)

@@ -24,7 +24,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from kvdiag.refpool.types import SimRequest, prefix_keys
+from kvdiag.refpool.types import SimRequest, output_ids, prefix_keys
 
 _VOCAB = 1 << 17  # token ids drawn in [0, _VOCAB); user-visible tokens stay below the output ids
 
@@ -305,12 +305,9 @@ def _tokens(rng: np.random.Generator, n: int) -> tuple[int, ...]:
 
 
 def expected_output(req: SimRequest) -> tuple[int, ...]:
-    """The tokens ``req`` will have generated when it finishes, from the same deterministic
-    ``next_token`` the schedulers call (computed on a scratch copy, ``req`` is untouched)."""
-    scratch = SimRequest(req.rid, req.arrival, (), req.max_new_tokens, req.output_len)
-    while not scratch.done:
-        scratch.output.append(scratch.next_token())
-    return tuple(scratch.output)
+    """The tokens ``req`` will have generated when it finishes (at EOS), from the same
+    deterministic ids ``SimRequest.next_token`` gives the schedulers."""
+    return tuple(output_ids(req.rid, req.output_len))
 
 
 def prefix_share(requests: list[SimRequest]) -> float:

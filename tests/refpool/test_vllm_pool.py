@@ -497,9 +497,9 @@ def test_corrupted_device_prefix_is_detected_on_hit() -> None:
         s = VLLMScheduler(20, block_size=4, max_model_len=64, store=store)
         s.add_request(sim("r0", toks(0, 8)))
         step(s)
-        h0 = Request(sim("x", toks(0, 8)), 4).block_hashes[0]
-        blk = s.block_pool.get_cached_block(h0)
-        assert blk is not None and store.tiers["device"][blk.block_id * 4 + 3] == h0
+        x = Request(sim("x", toks(0, 8)), 4)
+        blk = s.block_pool.get_cached_block(x.block_hashes[0])
+        assert blk is not None and store.tiers["device"][blk.block_id * 4 + 3] == x.token_keys[3]
         if corrupt:
             store.tiers["device"][blk.block_id * 4] = 12345
         s.add_request(sim("r1", toks(0, 8) + toks(50, 4)))
@@ -515,8 +515,8 @@ def test_corrupted_device_prefix_is_detected_on_hit() -> None:
 def test_corrupted_host_copy_is_detected_on_load() -> None:
     store = RecordingStore()
     s = _offload_scheduler(store)
-    h1 = Request(sim("x", toks(0, 8)), 4).block_hashes[1]
-    host_slot = next(slot for slot, key in store.tiers["host"].items() if key == h1)
+    last_of_block_1 = Request(sim("x", toks(0, 8)), 4).token_keys[7]
+    host_slot = next(slot for slot, key in store.tiers["host"].items() if key == last_of_block_1)
     store.tiers["host"][host_slot] = 999
     s.add_request(sim("r2", toks(0, 12)))
     plan = s.schedule(2)
@@ -662,9 +662,15 @@ def test_random_streams_keep_invariants_and_bytes(w: tuple[dict, list[tuple[int,
     assert sum(st_.request_success_total.values()) == len(finished)
     assert st_.cpu_offload_used_blocks <= st_.cpu_offload_total_blocks
     bs = cfg["block_size"]
-    for blk in s.block_pool.blocks:  # every cached GPU block holds the KV its hash names
+    # Every cached block holds the KV its hash names: the key of the last token of the prefix
+    # that hash chains (every cached prefix is a prefix of some finished request's sequence).
+    last_key = {}
+    for r in finished:
+        x = Request(r, bs)
+        last_key.update((h, x.token_keys[(i + 1) * bs - 1]) for i, h in enumerate(x.block_hashes))
+    for blk in s.block_pool.blocks:
         if blk.block_hash is not None:
-            assert store.tiers["device"][blk.block_id * bs + bs - 1] == blk.block_hash
+            assert store.tiers["device"][blk.block_id * bs + bs - 1] == last_key[blk.block_hash]
     if s.connector is not None:
         for h, cpu_blk in s.connector.manager.blocks.items():
-            assert store.tiers["host"][cpu_blk.block_id * bs + bs - 1] == h
+            assert store.tiers["host"][cpu_blk.block_id * bs + bs - 1] == last_key[h]

@@ -31,13 +31,27 @@ def decode_run(s: SGLangScheduler) -> DecodeRun | None:
     n = len(batch)
     steps_to_report = s.decode_log_interval - s.forward_ct_decode % s.decode_log_interval
     k = min(steps_to_report, len(s.allocator.free_pages) // n + 1)
-    if k < 3 or any(r.finished for r in batch):
-        return None  # too short a run; or the next step filters the batch (and may reset the latch)
-    k = min(k, min(min(r.sim.output_len, r.max_new_tokens) - len(r.sim.output) for r in batch)) - 1  # the k-th step finishes r
-    if k < 2:
-        return None
+    if k < 3:
+        return None  # too short a run
+    # One pass over the batch (this runs before nearly every step): the run ends before the step
+    # that finishes a request, and at least 2 steps must be left. A request already released is
+    # still listed with no tokens left, so it ends the scan too: the next step filters the batch
+    # (and may reset the latch).
+    context_tokens = 0
+    for r in batch:
+        sim = r.sim
+        stop = sim.output_len  # should_finish holds from min(output_len, max_new_tokens) tokens
+        if r.max_new_tokens < stop:
+            stop = r.max_new_tokens  # (compared, not min(): a builtin call per request costs more)
+        left = stop - len(sim.output)
+        if left < 3:
+            return None
+        if left < k:
+            k = left
+        context_tokens += len(r.kv_indices)
     on_kv = queued and s._batch_full_on_kv
-    return DecodeRun(k, n, sum(len(r.kv_indices) for r in batch), on_kv, queued and not on_kv)
+    # The k-th step is not a plain one: it publishes a report, merges the free list or finishes a request.
+    return DecodeRun(k - 1, n, context_tokens, on_kv, queued and not on_kv)
 
 
 def advance_decode(s: SGLangScheduler, steps: int) -> list[int]:

@@ -111,11 +111,20 @@ class PrefillAdder:
     ) -> None:
         self.tree_cache = tree_cache
         self.page_size = tree_cache.page_size
-        self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = rem_input_tokens
         self.rem_chunk_tokens = rem_chunk_tokens
         self.memory_budget = PrefillBudget(tree_cache)
-        self.memory_budget.total_offset += sum(map(self._get_running_request_total_token_offset, running_reqs))
+        # SGLang adds sum(_get_running_request_total_token_offset(r) for r in running). That runs
+        # over the whole running batch on every prefill attempt, so it is inlined here, without
+        # the min() call: the same terms in the same order, still added by sum(), so the float is
+        # SGLang's on every Python (3.12's sum() compensates rounding, a += loop would not).
+        offsets: list[float] = []
+        for r in running_reqs:
+            sim = r.sim
+            remaining = r.max_new_tokens - len(sim.output)
+            clipped = remaining if remaining < CLIP_MAX_NEW_TOKENS else CLIP_MAX_NEW_TOKENS
+            offsets.append(clipped * (1.0 if sim.ignore_eos else new_token_ratio))  # ignore_eos: in full
+        self.memory_budget.total_offset += sum(offsets)
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
         # Hit accounting of this batch (cache_hit_rate, prefill_effective_tokens_total).
@@ -125,10 +134,6 @@ class PrefillAdder:
         self.reprocessed_log_input_tokens = 0
         self.log_device_hit_tokens = 0
         self.log_host_hit_tokens = 0
-
-    def _get_running_request_total_token_offset(self, req: Req) -> float:
-        ratio = 1.0 if req.sim.ignore_eos else self.new_token_ratio
-        return min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * ratio
 
     @property
     def rem_total_tokens(self) -> float:

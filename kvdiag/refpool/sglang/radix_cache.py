@@ -28,6 +28,7 @@ from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.types import KVStore, NullStore
 
 _node_ids = itertools.count()
+_STRIDE = 64  # tokens compared per slice in key_match (page size 1)
 
 
 @dataclass(eq=False)
@@ -100,6 +101,11 @@ class RadixCache:
         n = min(len(key0), len(key1))
         i = 0
         if ps == 1:
+            # The engine compares token by token; equal runs are skipped a stride at a time
+            # (C-speed slice equality) and only the stride holding the divergence is walked.
+            # Same answer, ~30x fewer Python steps on a 2k-token prompt.
+            while i + _STRIDE <= n and key0[i : i + _STRIDE] == key1[i : i + _STRIDE]:
+                i += _STRIDE
             while i < n and key0[i] == key1[i]:
                 i += 1
             return i
@@ -121,7 +127,7 @@ class RadixCache:
         while node.evicted:
             host_hit_length += len(node.key)
             node = node.parent  # type: ignore[assignment]
-        device_indices = [s for n in path if not n.evicted for s in n.value]  # type: ignore[union-attr]
+        device_indices = list(itertools.chain.from_iterable(n.value for n in path if not n.evicted))  # type: ignore[misc]
         return MatchResult(device_indices, node, last_host_node, host_hit_length)
 
     def insert(self, key: Sequence[int], value: Sequence[int]) -> int:

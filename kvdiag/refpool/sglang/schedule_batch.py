@@ -81,8 +81,9 @@ class Req:
         return keys[start:end]
 
     def should_finish(self) -> bool:
-        """EOS (ground-truth output_len) or FINISH_LENGTH at max_new_tokens."""
-        return len(self.sim.output) >= min(self.sim.output_len, self.max_new_tokens)
+        """``check_finished``: FINISH_LENGTH at max_new_tokens, or EOS (ground-truth output_len)."""
+        n = len(self.sim.output)
+        return n >= self.max_new_tokens or n >= self.sim.output_len
 
     def private_tokens(self, page_size: int) -> int:
         """Slots this request owns outside the tree: row past cache_protected_len, whole pages."""

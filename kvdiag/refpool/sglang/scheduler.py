@@ -3,9 +3,10 @@
 One ``schedule()`` call is one iteration of ``scheduler.get_next_batch_to_run``: a prefill batch
 if ``PrefillAdder`` can form one (FCFS, the in-flight chunked request first), else one decode
 step of the running batch (``update_running_batch``: capacity check, retraction, ratio decay).
-``update_from_output()`` is ``process_batch_result``: one token per request whose prefill
-completed or that decoded, checkpoint of prefilled prompts into the tree, release of finished
-requests, the chunked request stashed, and the prefill batch merged into the running batch.
+``update_from_output()`` is ``process_batch_result`` (its ``_prefill`` and ``_decode`` halves): one
+token per request whose prefill completed or that decoded, checkpoint of prefilled prompts into
+the tree, release of finished requests, the chunked request stashed, and the prefill batch
+merged into the running batch.
 
 Every KV write goes to ``store.write("device", slots, keys)`` with the positions' chained keys,
 so any later prefix hit or load back can be verified byte for byte (``debug=True`` does so, and
@@ -13,8 +14,6 @@ checks the pool invariants after every call).
 """
 
 from __future__ import annotations
-
-from dataclasses import asdict
 
 from kvdiag.refpool.sglang import fast_forward
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
@@ -96,7 +95,7 @@ class SGLangScheduler:
         self._batch_full_on_kv = False  # why the latch was set (ground truth only)
         self.chunked_req: Req | None = None
         self.last_batch: list[Req] = []  # prefill batch scheduled, not yet merged into running
-        self.reqs: dict[SimRequest, Req] = {}
+        self.reqs: dict[SimRequest, Req] = {}  # live requests by their SimRequest (for callers)
         self._aborted: list[Req] = []
         self._report: SGLangStats | None = None
         self.counters = SchedulerCounters()
@@ -154,34 +153,12 @@ class SGLangScheduler:
     def update_from_output(self, plan: StepPlan, now: float) -> list[SimRequest]:
         before = self._l2_counters()
         finished: list[SimRequest] = []
-        is_extend = bool(plan.chunks) and plan.chunks[0].is_prefill  # a batch is all prefill or all decode
-        reqs, chunked_req = self.reqs, self.chunked_req
-        for chunk in plan.chunks:
-            req = reqs[chunk.req]
-            if req is chunked_req:
-                checkpoint_kv_cache(req, self.tree_cache)  # stash_chunked_request
-                continue
-            sim = req.sim
-            sim.output.append(sim.next_token())
-            if sim.first_token is None:
-                sim.first_token = now
-            if req.should_finish():
-                release_kv_cache(req, self.tree_cache, checkpoint=True)
-                req.finished = True
-                finished.append(req.sim)
-                self.counters.num_requests_total += 1
-                self.counters.prompt_tokens_total += len(req.origin_input_ids)
-                self.counters.generation_tokens_total += len(req.output_ids)
-                del self.reqs[req.sim]
-            elif chunk.is_prefill:
-                checkpoint_kv_cache(req, self.tree_cache)
-        if is_extend:
-            self._merge_prefill_batch(self.last_batch)
-            self.last_batch = []
+        # The plan's chunks are the scheduled batch's requests in order; like SGLang, the
+        # results are processed over the batch itself (``batch.reqs``), not looked up per chunk.
+        if plan.chunks and plan.chunks[0].is_prefill:  # a batch is all prefill or all decode
+            self._process_batch_result_prefill(now, finished)
         elif plan.chunks:
-            self.forward_ct_decode += 1
-            if self.forward_ct_decode % self.decode_log_interval == 0:
-                self._snapshot_report()
+            self._process_batch_result_decode(finished)
         for req in self._aborted:
             finished.append(req.sim)
             self.counters.num_aborted_requests_total += 1
@@ -197,6 +174,52 @@ class SGLangScheduler:
         if self.debug:
             self.check_invariants()
         return finished
+
+    def _process_batch_result_prefill(self, now: float, finished: list[SimRequest]) -> None:
+        """First token of every request whose prompt is done; checkpoint; merge into running."""
+        batch = self.last_batch
+        for req in batch:
+            if req is self.chunked_req:
+                checkpoint_kv_cache(req, self.tree_cache)  # stash_chunked_request
+                continue
+            sim = req.sim
+            sim.output.append(sim.next_token())
+            if sim.first_token is None:
+                sim.first_token = now
+            if req.should_finish():
+                self._release_finished_req(req, finished)
+            else:
+                checkpoint_kv_cache(req, self.tree_cache)
+        self._merge_prefill_batch(batch)
+        self.last_batch = []
+
+    def _process_batch_result_decode(self, finished: list[SimRequest]) -> None:
+        """One token for every running request (each already has its first token from prefill).
+
+        The hot loop of a run: it executes once per running request per decode step.
+        """
+        for req in self.running_batch:
+            sim = req.sim
+            output = sim.output
+            output.append(sim.next_token())
+            n = len(output)
+            if n >= req.max_new_tokens or n >= sim.output_len:  # req.should_finish(), inlined
+                self._release_finished_req(req, finished)
+        self.forward_ct_decode += 1
+        if self.forward_ct_decode % self.decode_log_interval == 0:
+            self._snapshot_report()
+
+    def _release_finished_req(self, req: Req, finished: list[SimRequest]) -> None:
+        """Finished: insert its KV into the tree and unlock it, count it (it leaves the batch at
+        the next filter)."""
+        release_kv_cache(req, self.tree_cache, checkpoint=True)
+        req.finished = True
+        finished.append(req.sim)
+        c = self.counters
+        c.num_requests_total += 1
+        c.prompt_tokens_total += len(req.origin_input_ids)
+        c.generation_tokens_total += len(req.output_ids)
+        del self.reqs[req.sim]
 
     # ================================================================= prefill
     def _get_new_batch_prefill(self, plan: StepPlan) -> list[Req] | None:
@@ -402,7 +425,7 @@ class SGLangScheduler:
             load_back_tokens_total=hi.load_back_tokens_total if hi else None,
             hicache_backup_tokens_total=hi.backup_tokens_total if hi else None,
             hicache_dropped_tokens_total=hi.dropped_tokens_total if hi else None,
-            **asdict(self.counters),
+            **vars(self.counters),  # plain int fields: a shallow copy is asdict's result
         )
 
     def _snapshot_report(self) -> None:

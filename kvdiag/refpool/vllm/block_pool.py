@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from kvdiag.refpool.vllm.request import Request
 
 
-@dataclass(eq=False, repr=False)
+@dataclass(eq=False, repr=False, slots=True)
 class KVCacheBlock:
-    """One GPU block (``kv_cache_utils.KVCacheBlock``).
+    """One GPU block (``kv_cache_utils.KVCacheBlock``; slotted as in vLLM: the pool holds one per
+    block, ~100k at a 1.5 M-token pool, touched every time a block is allocated or cached).
 
     ``block_hash`` is set once the block is full and cached (``cache_full_blocks``) and reset when
     the block is evicted at reuse time. ``prev_free_block`` / ``next_free_block`` link the block
@@ -71,10 +72,26 @@ class FreeKVCacheBlockQueue:
         return first
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Pop the first n free blocks, in queue order."""
+        """Pop the first n free blocks, in queue order: one walk from the head, relinking the
+        head once (as vLLM does), rather than n ``popleft`` calls."""
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} blocks from a queue of {self.num_free_blocks}")
-        return [self.popleft() for _ in range(n)]
+        if n == 0:
+            return []
+        self.num_free_blocks -= n
+        head = self.fake_free_list_head
+        curr_block = head.next_free_block
+        ret = []
+        for _ in range(n):
+            assert curr_block is not None
+            ret.append(curr_block)
+            last_block = curr_block
+            curr_block = curr_block.next_free_block
+            last_block.prev_free_block = last_block.next_free_block = None
+        assert curr_block is not None  # the fake tail at least
+        head.next_free_block = curr_block
+        curr_block.prev_free_block = head
+        return ret
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue (a prefix hit on a free cached block)."""
@@ -96,23 +113,25 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += 1
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        """Append blocks to the tail in the given order."""
-        for block in blocks:
-            self.append(block)
+        """Append blocks to the tail in the given order (linked in one pass, as vLLM does)."""
+        tail = self.fake_free_list_tail
+        if blocks:
+            self._link_between(tail.prev_free_block, blocks, tail)  # type: ignore[arg-type]
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks at the head, keeping their order (``blocks[0]`` becomes the new head)."""
-        if not blocks:
-            return
-        first = self.fake_free_list_head.next_free_block
-        assert first is not None
-        prev = self.fake_free_list_head
+        head = self.fake_free_list_head
+        if blocks:
+            self._link_between(head, blocks, head.next_free_block)  # type: ignore[arg-type]
+
+    def _link_between(self, prev: KVCacheBlock, blocks: list[KVCacheBlock], nxt: KVCacheBlock) -> None:
+        """Link ``blocks`` in order between the adjacent ``prev`` and ``nxt``."""
         for block in blocks:
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:

@@ -35,16 +35,21 @@ def decode_run(s: VLLMScheduler) -> DecodeRun | None:
     n = len(running)
     if n == 0 or n >= s.max_num_batched_tokens:
         return None
-    k = s.max_model_len
-    for r in running:
+    # The run must stop before the first request does, and a run shorter than 2 steps is not
+    # offered, so any request within 3 decodes of stopping refuses the run, as does any request
+    # that prefills. Under load that is almost every step, so the scan returns at the first such
+    # request, and goes from the tail of ``running``, where admitted (prefilling) requests are.
+    k = max_model_len = s.max_model_len
+    for r in reversed(running):
         sim = r.sim
-        if not sim.output or r.num_computed_tokens != r.num_tokens - 1:
+        num_output = len(sim.output)
+        if not num_output or r.num_computed_tokens != r.num_tokens - 1:
             return None  # someone prefills (or resumes) this step
         # _check_stop stops r after this many decodes (the last of them stops it).
-        k = min(k, sim.max_new_tokens - len(sim.output), sim.output_len - len(sim.output), s.max_model_len - r.num_tokens)
+        k = min(k, sim.max_new_tokens - num_output, sim.output_len - num_output, max_model_len - r.num_tokens)
+        if k < 3:
+            return None
     k -= 1
-    if k < 2:
-        return None
     blocked_on_kv = blocked_other = False
     if s.waiting:
         if n == s.max_num_seqs:

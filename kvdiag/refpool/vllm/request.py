@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from kvdiag.refpool.types import SimRequest, chain_key, token_key
+from kvdiag.refpool.types import SimRequest, token_key
 
 
 class RequestStatus(enum.Enum):
@@ -23,16 +23,27 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()  # finished_reason "length" (max_tokens or max_model_len)
 
 
+def hash_block_tokens(parent_block_hash: int, curr_block_token_ids: tuple[int, ...]) -> int:
+    """vLLM's ``kv_cache_utils.hash_block_tokens``: the parent's hash and this block's tokens,
+    so a block hash names its whole prefix.
+
+    vLLM hashes with sha256 by default (earlier releases used the builtin ``hash``, as here). The
+    pool only compares hashes for equality, so one C-level tuple hash per block serves: hashing
+    every prompt's blocks at arrival by folding a key over each token was a fifth of an
+    accounting-only run. ``hash`` of ints and tuples is not salted per process (only str and
+    bytes are), so runs replay identically; the first block's parent is 0, not None, whose hash
+    is an address before Python 3.12.
+    """
+    return hash((parent_block_hash, curr_block_token_ids))
+
+
 class Request:
     """A ``SimRequest`` plus the scheduler state vLLM keeps on ``Request``.
 
-    ``token_keys[i]`` is the KV key of position i (it chains the whole prefix, see
-    ``types.token_key``); the hash of full block b is the key of its last token, which chains the
-    parent block hash and the block's tokens exactly like vLLM's ``hash_block_tokens``.
-
-    ``track_keys=False`` (accounting-only runs, where no KV byte is written or verified) keeps no
-    per-token keys: each block hash is folded from the parent hash over the block's tokens when
-    the block fills (``types.chain_key``), the same values without a list of every position.
+    ``block_hashes`` holds one ``hash_block_tokens`` per full block of prompt + output, extended
+    as tokens are appended. ``token_keys[i]`` is the KV key of position i (it chains the whole
+    prefix, see ``types.token_key``): what the store writes and verifies. Accounting-only runs
+    (``track_keys=False``: no KV byte is written or verified) keep no per-token keys.
     """
 
     def __init__(self, sim: SimRequest, block_size: int, track_keys: bool = True) -> None:
@@ -49,24 +60,21 @@ class Request:
         self._append(sim.all_tokens)
 
     def _append(self, tokens: tuple[int, ...]) -> None:
-        bs = self.block_size
         if self.track_keys:
             keys = self.token_keys
+            k = keys[-1] if keys else 0
             for t in tokens:
-                keys.append(token_key(keys[-1] if keys else 0, t))
-                if len(keys) % bs == 0:
-                    self.block_hashes.append(keys[-1])
-            self.num_tokens = len(keys)
-            return
+                k = token_key(k, t)
+                keys.append(k)
         self.num_tokens += len(tokens)
         self._hash_full_blocks()
 
     def _hash_full_blocks(self) -> None:
-        """Fold the hashes of blocks that became full (accounting-only: no per-token keys)."""
+        """Hash the blocks that became full."""
         bs, hashes = self.block_size, self.block_hashes
         while len(hashes) < self.num_tokens // bs:
             lo = len(hashes) * bs
-            hashes.append(chain_key(hashes[-1] if hashes else 0, self._tokens(lo, lo + bs)))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else 0, self._tokens(lo, lo + bs)))
 
     def _tokens(self, lo: int, hi: int) -> tuple[int, ...]:
         """Tokens ``lo..hi-1`` of prompt + output, without concatenating the whole sequence."""
@@ -86,14 +94,11 @@ class Request:
         """Append a sampled token and extend ``block_hashes`` when a block becomes full."""
         self.sim.output.append(token_id)
         if self.track_keys:
-            self._append((token_id,))
-            return
+            keys = self.token_keys
+            keys.append(token_key(keys[-1] if keys else 0, token_id))
         self.num_tokens += 1  # one token fills at most one block: the only hash that can be due
         if self.num_tokens % self.block_size == 0:
             self._hash_full_blocks()
-
-    def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
     def __repr__(self) -> str:
         return (

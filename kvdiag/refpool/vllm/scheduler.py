@@ -170,22 +170,26 @@ class VLLMScheduler:
         token_budget = self.max_num_batched_tokens
         preempted: list[Request] = []
 
-        # Phase A: RUNNING requests, in order.
+        # Phase A: RUNNING requests, in order. This loop runs per running request per step, so
+        # the calls it makes are bound to locals and ``_add_chunk`` is inlined.
         running, threshold = self.running, self.long_prefill_token_threshold
+        allocate_slots = kv.allocate_slots
+        add_scheduled, add_chunk = out.scheduled.append, plan.chunks.append
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens  # 1 for a decode
+            num_computed_tokens = request.num_computed_tokens
+            num_new_tokens = request.num_tokens - num_computed_tokens  # 1 for a decode
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             assert num_new_tokens > 0, f"running request with nothing to compute: {request}"
             while True:
-                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                preempted_req = self.running.pop()  # FCFS: the last running request
+                preempted_req = running.pop()  # FCFS: the last running request
                 self._preempt_request(preempted_req)
                 preempted.append(preempted_req)
                 if preempted_req is request:
@@ -194,8 +198,12 @@ class VLLMScheduler:
                 break
             # vLLM does not label chunks; a decode is the one new token of a request that has
             # sampled before (a resumed request recomputing its last token counts as one too).
-            is_decode = request.num_computed_tokens == request.num_tokens - 1 and bool(request.sim.output)
-            self._add_chunk(out, request, num_new_tokens, not is_decode, now)
+            sim = request.sim
+            is_decode = num_computed_tokens == request.num_tokens - 1 and bool(sim.output)
+            add_scheduled((request, num_new_tokens))  # _add_chunk, inlined
+            add_chunk(ScheduledChunk(sim, num_new_tokens, num_computed_tokens, not is_decode))
+            if sim.first_scheduled is None:
+                sim.first_scheduled = now
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -269,6 +277,7 @@ class VLLMScheduler:
 
         finished: list[SimRequest] = []
         sampled = 0
+        check_stop = self._check_stop  # bound once: the loop runs per scheduled request
         for request, n in out.scheduled:
             request.num_computed_tokens += n
             if request.num_computed_tokens < request.num_tokens:
@@ -279,7 +288,7 @@ class VLLMScheduler:
             if sim.first_token is None:
                 sim.first_token = now
                 self.prompt_tokens_total += request.num_prompt_tokens
-            if self._check_stop(request):
+            if check_stop(request):
                 self._verify_kv(request, request.num_computed_tokens)
                 self.running.remove(request)
                 self._free_request(request)
@@ -342,10 +351,12 @@ class VLLMScheduler:
         if request.num_tokens >= self.max_model_len or len(sim.output) >= sim.max_new_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             self.request_success_total["length"] += 1
-        elif sim.done:
+            return True
+        if sim.done:
             request.status = RequestStatus.FINISHED_STOPPED
             self.request_success_total["stop"] += 1
-        return request.is_finished()
+            return True
+        return False  # still RUNNING
 
     def _free_request(self, request: Request) -> None:
         if self.connector is not None:
