@@ -11,6 +11,14 @@ pool operations (with the tuned GC): SGLang's radix tree (match_prefix + insert 
 with LRU eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per
 second.
 
+The ceiling: what this reference pool could reach at this load if its schedulers cost
+nothing, from the same run's step rate and batch. Both engines' schedulers walk their running
+batch every step, so a model that mirrors them pays at least one loop iteration per running
+request per step; every request also has to be drawn, get its answer's token ids, be looked up
+in the prefix cache, take slots, be cached when it finishes and be released (the request path,
+timed through the pool's own classes with no scheduling at all). It shows where the time must
+go: at 1,000x and 50 req/s the whole budget is 20 us per request.
+
 Usage: .venv/bin/python bench/bench_refpool.py [--seconds 60] [--warmup 40] [--engine sglang|vllm]
 Last line: JSON with the figures.
 """
@@ -19,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import random
 import time
+from types import SimpleNamespace
 
 from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
@@ -29,10 +39,11 @@ from kvdiag.refpool.sglang.radix_cache import RadixCache
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
 from kvdiag.refpool.sim import Simulation, tune_gc
 from kvdiag.refpool.vllm.block_pool import BlockPool
+from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager
 from kvdiag.refpool.vllm.request import Request
 from kvdiag.refpool.types import SimRequest
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
-from kvdiag.refpool.workload import LogNormal, Poisson, SharedPrefix, Workload
+from kvdiag.refpool.workload import LogNormal, Poisson, SharedPrefix, Workload, expected_output
 
 POOL_TOKENS = 1_500_000
 RATE = 50.0
@@ -40,7 +51,7 @@ RATE = 50.0
 
 def engine_speed(engine: str, warmup: float, seconds: float, fast_forward: bool = True) -> dict[str, float]:
     """Simulated seconds per wall second over ``seconds`` after ``warmup`` (both simulated)."""
-    wl = Workload(Poisson(RATE), LogNormal(1000, 0.5, hi=8000), LogNormal(800, 0.5, hi=4000), prefix=SharedPrefix(8, 0.5), seed=1)
+    wl = _bench_workload()
     if engine == "sglang":
         make = lambda: SGLangScheduler(max_total_num_tokens=POOL_TOKENS)  # noqa: E731
     else:
@@ -61,6 +72,57 @@ def engine_speed(engine: str, warmup: float, seconds: float, fast_forward: bool 
         "running": float(sim.steps.running[-1]),
         "wall_s": wall,
     }
+
+
+def _bench_workload() -> Workload:
+    return Workload(Poisson(RATE), LogNormal(1000, 0.5, hi=8000), LogNormal(800, 0.5, hi=4000), prefix=SharedPrefix(8, 0.5), seed=1)
+
+
+def request_path_seconds(engine: str, n: int = 3_000) -> tuple[float, float]:
+    """Wall seconds per request (draw, pool path) of the work the reference pool does for each
+    request whatever the scheduler does: draw it from the workload; then give it its answer's
+    token ids, look its prompt up in the pool, take slots for prompt + answer, cache the finished
+    sequence and release it (evicting as the pool fills), through the pool's own classes with
+    no scheduling at all."""
+    t0 = time.perf_counter()
+    requests = list(itertools.islice(_bench_workload().requests(), n))
+    t_draw = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if engine == "sglang":
+        alloc = TokenToKVPoolAllocator(POOL_TOKENS)
+        tree = RadixCache(alloc)
+        for req in requests:
+            key = req.prompt + expected_output(req)
+            m = tree.match_prefix(req.prompt)
+            tree.inc_lock_ref(m.last_device_node)
+            hit = len(m.device_indices)
+            tree.evict_to_free_tokens(len(key) - hit)
+            slots = alloc.alloc(len(key) - hit)
+            assert slots is not None
+            done = tree.insert(key, m.device_indices + slots)
+            if done > hit:
+                alloc.free(slots[: done - hit])
+            tree.dec_lock_ref(m.last_device_node)
+    else:
+        kv = KVCacheManager(BlockPool(POOL_TOKENS // 16 + 1), 16)
+        for req in requests:
+            req.output.extend(expected_output(req))
+            request = Request(req, 16, track_keys=False)
+            hits, num_hits = kv.get_computed_blocks(request)
+            assert kv.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits) is not None
+            kv.free(request)
+    return t_draw / n, (time.perf_counter() - t0) / n
+
+
+def loop_iteration_seconds(n: int = 1_000, repeat: int = 200) -> float:
+    """Wall seconds of the cheapest per-request step in Python: one attribute increment per
+    running request (both engines' schedulers walk their running batch every step)."""
+    batch = [SimpleNamespace(num_computed_tokens=0) for _ in range(n)]
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        for r in batch:
+            r.num_computed_tokens += 1
+    return (time.perf_counter() - t0) / (n * repeat)
 
 
 def radix_ops(n: int = 20_000) -> float:
@@ -122,6 +184,27 @@ def main() -> None:
             f"{r['sim_per_wall'] / base['sim_per_wall']:.2f}x the same run at CPython's default GC thresholds "
             f"({base['sim_per_wall']:.1f})"
         )
+    # Ceilings at this load, from this run's step rate and batch: what this reference pool
+    # could reach if scheduling cost nothing but one loop iteration per running request per step.
+    t_iter = loop_iteration_seconds()
+    for engine in args.engine or ("sglang", "vllm"):
+        r = out[engine]
+        t_draw, t_path = request_path_seconds(engine)
+        steps_per_sim_s = r["steps_per_s"] / r["sim_per_wall"]
+        loop_s = steps_per_sim_s * r["running"] * t_iter  # wall s per simulated s
+        r.update(
+            draw_us=t_draw * 1e6,
+            pool_path_us=t_path * 1e6,
+            ceiling_sim_per_wall=1 / (RATE * (t_draw + t_path) + loop_s),
+            ceiling_loop_only=1 / loop_s,
+        )
+        print(
+            f"{engine} ceiling: {r['ceiling_sim_per_wall']:.0f}x with no scheduling work but one loop iteration per running "
+            f"request per step ({t_iter * 1e9:.0f} ns x {r['running']:.0f} running x {steps_per_sim_s:.1f} steps per "
+            f"simulated s: {r['ceiling_loop_only']:.0f}x alone) and each request's path ({t_draw * 1e6:.0f} us to draw it, "
+            f"{t_path * 1e6:.0f} us through the pool); {1e6 / (1000 * RATE):.0f} us per request is the whole budget at 1,000x"
+        )
+    out["loop_iteration_ns"] = t_iter * 1e9
     out["radix_ops_per_s"] = radix_ops()
     out["block_pool_ops_per_s"] = block_pool_ops()
     print(f"radix tree: {out['radix_ops_per_s']:,.0f} ops/s; block pool: {out['block_pool_ops_per_s']:,.0f} ops/s")
