@@ -119,6 +119,24 @@ def test_allocator_rejects_double_free_and_padding() -> None:
     assert a.available_size() == 6  # the failed free changed nothing
 
 
+def test_allocator_checks_large_frees_as_small_ones() -> None:
+    """Hundreds of slots at once (a prefill, an eviction) take the vectorised ownership path:
+    the same refusals, and a refused free changes nothing."""
+    a = TokenToKVPoolAllocator(1000)
+    held = a.alloc(300)
+    assert held == list(range(1, 301)) and all(a.is_allocated(s) for s in held)
+    for bad, match in ((held[:150] + [500] + held[150:], "double free: page 500"), (held + [held[7]], "named twice"),
+                       (held + [0], "outside")):
+        with pytest.raises(ValueError, match=match):
+            a.free(bad)
+        assert a.available_size() == 700 and all(a.is_allocated(s) for s in held)
+    a.free(held)
+    assert a.available_size() == 1000 and not any(a.is_allocated(s) for s in held)
+    with pytest.raises(ValueError, match="double free: page 1 "):
+        a.free(held)
+    assert a.alloc(1000) is not None and a.available_size() == 0
+
+
 def test_paged_allocator_hands_out_whole_pages() -> None:
     a = TokenToKVPoolAllocator(16, page_size=4)
     assert a.alloc(8) == [4, 5, 6, 7, 8, 9, 10, 11]  # pages 1 and 2 (page 0 is padding)

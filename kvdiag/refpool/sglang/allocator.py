@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
+_VECTOR_MIN = 64  # below this many pages a Python loop beats numpy's per-call overhead
+
 
 class TokenToKVPoolAllocator:
     """Free-page list over ``size`` token slots (``size`` = ``max_total_num_tokens``)."""
@@ -32,6 +36,7 @@ class TokenToKVPoolAllocator:
         self.free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self.release_pages: list[int] = []
         self._owned = bytearray(self.num_pages + 1)  # 1 where a page is allocated
+        self._owned_view = np.frombuffer(self._owned, dtype=np.uint8)  # the same bytes, for numpy
 
     def available_size(self) -> int:
         """Free slots, counting pages parked in ``release_pages`` (as SGLang does)."""
@@ -61,8 +66,8 @@ class TokenToKVPoolAllocator:
         pages = self.free_pages[-num_pages:]
         del self.free_pages[-num_pages:]
         pages.reverse()
-        for p in pages:
-            self._owned[p] = 1
+        taken = self._flip_owned(pages, 0)
+        assert taken is None, f"page {taken} on the free list is allocated"
         ps = self.page_size
         if ps == 1:
             return pages
@@ -77,16 +82,36 @@ class TokenToKVPoolAllocator:
         """
         ps = self.page_size
         pages = sorted({i // ps for i in free_index}) if ps > 1 else list(free_index)
-        for p in pages:
-            if not 1 <= p <= self.num_pages:
-                raise ValueError(f"slot page {p} is outside the pool (padding page 0 is never allocated)")
-            if not self._owned[p]:
-                raise ValueError(f"double free: page {p} is not allocated")
+        if not pages:
+            return
+        if min(pages) < 1 or max(pages) > self.num_pages:
+            p = next(p for p in pages if not 1 <= p <= self.num_pages)
+            raise ValueError(f"slot page {p} is outside the pool (padding page 0 is never allocated)")
         if ps == 1 and len(set(pages)) != len(pages):
             raise ValueError("double free: a slot is named twice in one free()")
-        for p in pages:
-            self._owned[p] = 0
+        not_owned = self._flip_owned(pages, 1)
+        if not_owned is not None:
+            raise ValueError(f"double free: page {not_owned} is not allocated")
         self.release_pages.extend(pages)
+
+    def _flip_owned(self, pages: list[int], expect: int) -> int | None:
+        """Flip the ownership flag of every page from ``expect``; if one is not ``expect``,
+        change nothing and return it. Vectorised past a few dozen pages: a prefill takes and
+        an eviction frees thousands of slots at a time."""
+        owned = self._owned
+        if len(pages) < _VECTOR_MIN:
+            for p in pages:
+                if owned[p] != expect:
+                    return p
+            for p in pages:
+                owned[p] = 1 - expect
+            return None
+        idx, view = np.array(pages), self._owned_view
+        wrong = view[idx] != expect
+        if wrong.any():
+            return pages[int(np.argmax(wrong))]
+        view[idx] = 1 - expect
+        return None
 
     def is_allocated(self, slot: int) -> bool:
         """Whether the page holding ``slot`` is currently handed out (for invariant checks)."""
