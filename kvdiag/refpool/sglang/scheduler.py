@@ -200,10 +200,8 @@ class SGLangScheduler:
         """
         for req in self.running_batch:
             sim = req.sim
-            output = sim.output
-            output.append(sim.next_token())
-            n = len(output)
-            if n >= req.max_new_tokens or n >= sim.output_len:  # req.should_finish(), inlined
+            sim.output.append(sim.next_token())
+            if req.should_finish():
                 self._release_finished_req(req, finished)
         self.forward_ct_decode += 1
         if self.forward_ct_decode % self.decode_log_interval == 0:

@@ -171,10 +171,9 @@ class VLLMScheduler:
         preempted: list[Request] = []
 
         # Phase A: RUNNING requests, in order. This loop runs per running request per step, so
-        # the calls it makes are bound to locals and ``_add_chunk`` is inlined.
+        # ``allocate_slots`` is bound to a local.
         running, threshold = self.running, self.long_prefill_token_threshold
         allocate_slots = kv.allocate_slots
-        add_scheduled, add_chunk = out.scheduled.append, plan.chunks.append
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
@@ -198,12 +197,8 @@ class VLLMScheduler:
                 break
             # vLLM does not label chunks; a decode is the one new token of a request that has
             # sampled before (a resumed request recomputing its last token counts as one too).
-            sim = request.sim
-            is_decode = num_computed_tokens == request.num_tokens - 1 and bool(sim.output)
-            add_scheduled((request, num_new_tokens))  # _add_chunk, inlined
-            add_chunk(ScheduledChunk(sim, num_new_tokens, num_computed_tokens, not is_decode))
-            if sim.first_scheduled is None:
-                sim.first_scheduled = now
+            is_decode = num_computed_tokens == request.num_tokens - 1 and bool(request.sim.output)
+            self._add_chunk(out, request, num_new_tokens, not is_decode, now)
             token_budget -= num_new_tokens
             req_index += 1
 
