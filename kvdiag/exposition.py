@@ -82,6 +82,9 @@ class Family:
     type: str | None = None  # from a # TYPE line under the family, _total or escaped name
     samples: list[Sample] = field(default_factory=list)
     escaped: bool = False  # sample names came underscore-escaped (a:b written a_b)
+    #: Samples grouped by label values, built on first use by the engine adapters
+    #: (``engines.base``) so that reading N instances of one server costs O(samples).
+    groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def series(self, suffix: str = "") -> list[Sample]:
         return [s for s in self.samples if s.suffix == suffix]

@@ -167,3 +167,34 @@ def test_unknown_engines_say_why() -> None:
     both = "sglang:num_running_reqs 1\nvllm:num_requests_running 1\n"
     with pytest.raises(UnknownEngine, match="both"):
         _samples(both)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_instance_cap_is_checked_before_any_instance_is_normalized(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body claiming too many instances costs one read, not a normalization per instance."""
+    from kvdiag.engines import ADAPTERS, TooManyInstances
+
+    body = render(engine, [EngineState(capacity_tokens=1000, running=1, waiting=i % 3) for i in range(9)], openmetrics=False)
+    got = normalize_scrape(Scrape(0.0, T, None, body), max_instances=9)
+    assert [s.waiting for s in got] == [i % 3 for i in range(9)]  # at the cap: all kept, each its own
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("normalize ran on a body over the cap")
+
+    monkeypatch.setattr(ADAPTERS[engine], "normalize", refuse)
+    with pytest.raises(TooManyInstances, match="9 instances in one exposition"):
+        normalize_scrape(Scrape(0.0, T, None, body), max_instances=8)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_server_wide_series_reach_every_data_parallel_instance(engine: str) -> None:
+    """Grouping samples by split label keeps what belongs(): split rows per instance, unsplit rows for all."""
+    states = [EngineState(capacity_tokens=1000 * (i + 1), running=i, prompt_tokens_total=100 * i) for i in range(4)]
+    got = normalize_scrape(Scrape(0.0, T, None, render(engine, states, openmetrics=False)))
+    assert [s.running for s in got] == [0, 1, 2, 3]
+    assert [s.capacity_tokens for s in got] == [1000.0, 2000.0, 3000.0, 4000.0]
+    wide = [s.provenance["prompt_tokens_total"].note.startswith("server-wide") for s in got]
+    if engine == "sglang":  # the tokenizer's counter has no dp_rank: the server's total, on each
+        assert [s.prompt_tokens_total for s in got] == [600.0] * 4 and all(wide)
+    else:  # vLLM labels every engine's counter
+        assert [s.prompt_tokens_total for s in got] == [0.0, 100.0, 200.0, 300.0] and not any(wide)

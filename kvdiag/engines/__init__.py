@@ -25,6 +25,10 @@ class UnknownEngine(ValueError):
     """The exposition is from neither engine (or has no diagnosable metrics); says why."""
 
 
+class TooManyInstances(ValueError):
+    """One exposition claims more instances than the caller keeps; refused before normalizing."""
+
+
 def known_metrics() -> frozenset[str]:
     """Every engine family name the adapters read (rules and dashboards may only use these)."""
     return frozenset(READER.wanted)
@@ -68,8 +72,16 @@ def detect(expo: Exposition, body: str | bytes = "", engine: str = "auto") -> Mo
     )
 
 
-def normalize_scrape(scrape: Scrape, engine: str = "auto") -> list[PoolSample]:
-    """Exposition text of one scrape to one PoolSample per engine instance."""
+def normalize_scrape(scrape: Scrape, engine: str = "auto", max_instances: int | None = None) -> list[PoolSample]:
+    """Exposition text of one scrape to one PoolSample per engine instance.
+
+    ``max_instances`` refuses a body that claims more instances than that before any of them
+    is normalized, so a hostile target costs one pass over its samples, not one per instance.
+    """
     expo = READER.read(scrape.body, scrape.content_type)
     adapter = detect(expo, scrape.body, engine)
+    if max_instances is not None:
+        n = len(adapter.instances(expo, scrape.target))
+        if n > max_instances:
+            raise TooManyInstances(f"{n} instances in one exposition (at most {max_instances} are kept)")
     return adapter.normalize(expo, scrape.target, scrape.ts)

@@ -9,6 +9,7 @@ and add up true partitions (streaming vs non-streaming requests, finish reasons)
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -55,8 +56,49 @@ def belongs(sample: Sample, split: dict[str, str]) -> bool:
     return all(sample.labels.get(k, v) == v for k, v in split.items())
 
 
-def server_wide(samples: Iterable[Sample], split: dict[str, str]) -> bool:
-    return bool(split) and any(not any(k in s.labels for k in split) for s in samples)
+@dataclass
+class _Groups:
+    """One family's samples keyed by (suffix, values of the split labels; None where missing)."""
+
+    size: int  # len(fam.samples) when built: a family that grew afterwards is regrouped
+    by_key: dict[tuple[str, tuple[str | None, ...]], list[Sample]]
+    wide: set[str]  # suffixes with a sample that carries none of the split labels
+
+
+def _groups(fam: Family, keys: tuple[str, ...]) -> _Groups:
+    """Group a family once per split-label set, so that N instances cost O(samples), not O(N x samples)."""
+    got = fam.groups.get(keys)
+    if got is None or got.size != len(fam.samples):
+        by_key: dict[tuple[str, tuple[str | None, ...]], list[Sample]] = {}
+        wide: set[str] = set()
+        for s in fam.samples:
+            vals = tuple(s.labels.get(k) for k in keys)
+            by_key.setdefault((s.suffix, vals), []).append(s)
+            if keys and all(v is None for v in vals):
+                wide.add(s.suffix)
+        got = fam.groups[keys] = _Groups(len(fam.samples), by_key, wide)
+    return got
+
+
+def members(fam: Family, split: dict[str, str], suffix: str) -> list[Sample]:
+    """The samples of one suffix that ``belong`` to an instance, in exposition order."""
+    keys = tuple(sorted(split))
+    by_key = _groups(fam, keys).by_key
+    if not keys:
+        return by_key.get((suffix, ()), [])
+    parts = [by_key.get((suffix, combo), ()) for combo in itertools.product(*[(split[k], None) for k in keys])]
+    picked = [s for part in parts for s in part]
+    if sum(1 for part in parts if part) > 1:
+        picked.sort(key=lambda s: s.offset)
+    return picked
+
+
+def server_wide(fam: Family, split: dict[str, str], suffix: str | None = None) -> bool:
+    """Whether some sample (of ``suffix``, or of any suffix) carries none of the split labels."""
+    if not split:
+        return False
+    wide = _groups(fam, tuple(sorted(split))).wide
+    return bool(wide) if suffix is None else suffix in wide
 
 
 def _combine(samples: list[Sample], sum_over: tuple[str, ...]) -> float | None:
@@ -83,13 +125,9 @@ def value(
     """One figure of one instance from a family, or None when no sample applies."""
     if fam is None:
         return None
-    picked = [
-        s
-        for s in fam.samples
-        if s.suffix == suffix
-        and belongs(s, split)
-        and (select is None or all(s.labels.get(k) == v for k, v in select.items()))
-    ]
+    picked = members(fam, split, suffix)
+    if select is not None:
+        picked = [s for s in picked if all(s.labels.get(k) == v for k, v in select.items())]
     return _combine(picked, sum_over)
 
 
@@ -100,8 +138,8 @@ def histogram(
     if fam is None:
         return None
     by_le: dict[float, list[Sample]] = {}
-    for s in fam.samples:
-        if s.suffix == "_bucket" and belongs(s, split) and "le" in s.labels:
+    for s in members(fam, split, "_bucket"):
+        if "le" in s.labels:
             by_le.setdefault(float(s.labels["le"]), []).append(s)
     if not by_le or math.inf not in by_le:
         return None
@@ -128,8 +166,8 @@ def model_name(families: Iterable[Family | None], split: dict[str, str]) -> str 
     for fam in families:
         if fam is None:
             continue
-        for s in fam.samples:
-            if "model_name" in s.labels and belongs(s, split):
+        for s in members(fam, split, ""):
+            if "model_name" in s.labels:
                 return s.labels["model_name"]
     return None
 
@@ -168,7 +206,7 @@ def put(
         # The engine says "no number" (SGLang exports NaN for some gauges): absent, not 0.
         sample.notes.append(f"{metric} is NaN; treated as absent")
         return None
-    if server_wide([s for s in fam.samples if s.suffix == suffix], split):
+    if server_wide(fam, split, suffix):
         note = "; ".join(x for x in (note, "server-wide series, not split by " + ",".join(split)) if x)
     sample.set(field_name, v, Provenance(metric, note=note))
     return v
@@ -187,5 +225,5 @@ def put_histogram(
     h = histogram(fam, split, sum_over)
     if h is None:
         return
-    note = "server-wide series, not split by " + ",".join(split) if server_wide(fam.samples, split) else ""
+    note = "server-wide series, not split by " + ",".join(split) if server_wide(fam, split) else ""
     sample.set(field_name, h, Provenance(fam_name, note=note))

@@ -15,7 +15,7 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
 
 from __future__ import annotations
 
-from kvdiag.engines.base import Instance, Knobs, belongs, first, instance_key, model_name, put, put_histogram, split_values
+from kvdiag.engines.base import Instance, Knobs, first, members, instance_key, model_name, put, put_histogram, split_values
 from kvdiag.exposition import Exposition, Family
 from kvdiag.model import PoolSample, Provenance
 
@@ -110,15 +110,14 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
 
 
 def _label_number(fam: Family, split: dict[str, str], label: str) -> float | None:
-    for s in fam.samples:
-        if belongs(s, split):
-            raw = s.labels.get(label)
-            if raw in (None, "None", ""):
-                return None
-            try:
-                return float(raw)
-            except ValueError:
-                return None
+    for s in members(fam, split, ""):
+        raw = s.labels.get(label)
+        if raw in (None, "None", ""):
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            return None
     return None
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 import requests
 
 from kvdiag.config import Config
-from kvdiag.engines import UnknownEngine, normalize_scrape
+from kvdiag.engines import TooManyInstances, UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import Diagnosis, PoolSample
 from kvdiag.server.ring import Ring
@@ -110,10 +110,8 @@ def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, und
     start, started_at = time.monotonic(), time.time()
     try:
         got = scrape(state.url, opts.timeout, opts.max_bytes, session=state.session, auth=opts.auth)
-        samples = normalize_scrape(got, state.engine)
-        if len(samples) > MAX_INSTANCES_PER_TARGET:
-            raise ScrapeError(f"{len(samples)} instances in one exposition (at most {MAX_INSTANCES_PER_TARGET} are kept)")
-    except (ScrapeError, ExpositionError, UnknownEngine) as exc:
+        samples = normalize_scrape(got, state.engine, MAX_INSTANCES_PER_TARGET)
+    except (ScrapeError, ExpositionError, UnknownEngine, TooManyInstances) as exc:
         _fail(state, str(exc), start, started_at, undiagnosable)
         return
     except Exception as exc:  # a bug in kvdiag must not stop the loop; say so loudly
