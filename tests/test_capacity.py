@@ -134,3 +134,19 @@ def test_cli_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert cli.main(["capacity", "--model", "deepseek-v3", "--tp", "8", "--pool-gib-per-gpu", "40", "--context", "131072"]) == 0
     out = capsys.readouterr().out
     assert "70,272 bytes (68.6 KiB) per token" in out and "MLA latent" in out and "9.21 GB" in out
+
+
+def test_weights_that_do_not_fit_name_the_weight_dtype_that_does(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["capacity", "--model", "deepseek-v3", "--kv-dtype", "fp8", "--tp", "8", "--gpu", "h200"]
+    assert cli.main(base) == 3
+    err = capsys.readouterr().err
+    assert "156.2 GiB of weights per GPU leave no room" in err and "add --weight-dtype fp8" in err
+    # the hint is what it says: with that flag the same deployment has a pool
+    assert cli.main(base + ["--weight-dtype", "fp8", "--json"]) == 0
+    pool_gib = json.loads(capsys.readouterr().out)["pool_bytes_per_gpu"] / 1024**3
+    assert f"leave {pool_gib:.1f} GiB per GPU for the pool" in err
+    # no narrower dtype fits, or the weight size was given: no hint to follow
+    assert cli.main(["capacity", "--model", "deepseek-v3", "--tp", "2", "--gpu", "h100"]) == 3
+    assert "--weight-dtype" not in capsys.readouterr().err
+    assert cli.main(["capacity", "--model", "llama-3-70b", "--gpu", "h100", "--weights-gib", "200"]) == 3
+    assert "--weight-dtype" not in capsys.readouterr().err

@@ -52,8 +52,25 @@ def plan(args: argparse.Namespace) -> cap.Plan:
         raise ValueError("--mem-fraction must be in (0, 1]")
     gpu_bytes = cap.GPUS[args.gpu].memory_bytes if args.gpu else args.gpu_mem_gib * cap.GIB
     weights = args.weights_gib * cap.GIB if args.weights_gib is not None else spec.weight_bytes(cap.DTYPE_BYTES[args.weight_dtype])
-    pool, per_gpu = cap.pool_from_memory(spec, args.tp, gpu_bytes, args.mem_fraction, weights)
+    try:
+        pool, per_gpu = cap.pool_from_memory(spec, args.tp, gpu_bytes, args.mem_fraction, weights)
+    except ValueError as exc:
+        hint = None if args.weights_gib is not None else _weight_dtype_hint(spec, args, gpu_bytes)
+        raise ValueError(f"{exc}{hint or ''}") from None
     return cap.Plan(spec, args.kv_dtype, args.tp, pool, per_gpu)
+
+
+def _weight_dtype_hint(spec: cap.ModelSpec, args: argparse.Namespace, gpu_bytes: float) -> str | None:
+    """The first narrower ``--weight-dtype`` whose weights leave room for a pool, said as a
+    flag to add: weights that do not fit in bf16 often do in fp8 (DeepSeek-V3 ships fp8)."""
+    current = cap.DTYPE_BYTES[args.weight_dtype]
+    for dtype in sorted((d for d, b in cap.DTYPE_BYTES.items() if b < current), key=cap.DTYPE_BYTES.__getitem__, reverse=True):
+        try:
+            pool, _ = cap.pool_from_memory(spec, args.tp, gpu_bytes, args.mem_fraction, spec.weight_bytes(cap.DTYPE_BYTES[dtype]))
+        except ValueError:
+            continue
+        return f", or add --weight-dtype {dtype} (its weights leave {pool / cap.GIB:.1f} GiB per GPU for the pool)"
+    return None
 
 
 def plan_json(p: cap.Plan, contexts: tuple[int, ...]) -> dict:
