@@ -4,32 +4,43 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 KVDIAG := $(VENV)/bin/kvdiag
-STAMP := $(VENV)/.installed
+# Two installs: the light one is what kvdiag itself needs (the demo); the full one adds the
+# test tools and torch, which only the reference pool's storage tests use.
+LIGHT := $(VENV)/.installed-light
+FULL := $(VENV)/.installed-full
 
 .PHONY: demo test setup system-deps generate bench clean
 
-$(STAMP): pyproject.toml
+$(LIGHT): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch]'
-	touch $(STAMP)
+	$(PY) -m pip install -q -e .
+	touch $@
 
-setup: $(STAMP)
+# The torch extra pins the CPU build (torch==2.13.0+cpu, a local wheel on the project's
+# machines); a CUDA build must never get in: it is gigabytes and the tests would not be the
+# ones CI runs, so the install fails loudly if torch reports CUDA.
+$(FULL): $(LIGHT)
+	$(PY) -m pip install -q -e '.[dev,torch]'
+	$(PY) -c 'import sys, torch; sys.exit("torch " + torch.__version__ + " is a CUDA build (CUDA " + str(torch.version.cuda) + "): the tests need the CPU build torch==2.13.0+cpu") if torch.version.cuda else None'
+	touch $@
+
+setup: $(FULL)
 
 system-deps:
 	bash scripts/system-deps.sh
 
-demo: $(STAMP)
+demo: $(LIGHT)
 	$(KVDIAG) demo
 
-test: $(STAMP) system-deps
+test: $(FULL) system-deps
 	bash scripts/engine-src.sh .cache/engine-src
 	KVDIAG_ENGINE_SRC=$(CURDIR)/.cache/engine-src $(PY) -m pytest -q
 
-generate: $(STAMP)
+generate: $(LIGHT)
 	$(KVDIAG) render
 
-bench: $(STAMP)
+bench: $(LIGHT)
 	$(PY) bench/bench_exposition.py
 
 clean:
