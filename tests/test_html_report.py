@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html as html_lib
+import json
 import re
 import shutil
 import subprocess
@@ -10,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag import cli
+from kvdiag.report.ticks import TIME_STEPS
 from kvdiag.sources.recording import write_recording
 from tests.checks.scenario import const, recording
+from tests.test_ticks import is_1_2_5
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = (
@@ -109,3 +113,98 @@ def test_single_sample_report_says_point_in_time(tmp_path: Path) -> None:
     cli.main(["diagnose", "--json", "--replay", str(rec), "--html", str(out)])
     html = out.read_text()
     assert "point-in-time answers only" in html and "class='chart'" not in html
+
+
+@pytest.fixture(scope="module")
+def flat_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pool that fills and queues but never evicts: the eviction series is flat at zero."""
+    tmp = tmp_path_factory.mktemp("flat")
+    usage = lambda i: 0.5 + 0.01 * i if i < 45 else 0.97  # noqa: E731
+    rec = recording("sglang", steps=80, usage=usage, waiting=lambda i: max(0, i - 50), running=const(48), evictions=const(0))
+    write_recording(tmp / "flat.jsonl.gz", rec)
+    out = tmp / "flat.html"
+    cli.main(["diagnose", "--json", "--replay", str(tmp / "flat.jsonl.gz"), "--html", str(out)])
+    return out
+
+
+def charts(html: str) -> dict[str, str]:
+    """Each chart's SVG by its title."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"<svg class='chart'.*?<text [^>]*class='t'>([^<]*)</text>.*?</svg>", html, re.S)}
+
+
+def y_labels(svg: str) -> list[str]:
+    return re.findall(r"class='ax yt'[^>]*>([^<]*)</text>", svg)
+
+
+def label_value(label: str) -> float:
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9}
+    return float(label[:-1]) * scale[label[-1]] if label[-1] in scale else float(label)
+
+
+def test_a_flat_zero_series_gets_a_unit_axis_not_a_billionth(flat_report: Path) -> None:
+    evictions = charts(flat_report.read_text())["evictions (retract / preempt) per minute"]
+    assert y_labels(evictions) == ["0", "0.2", "0.4", "0.6", "0.8", "1.0"]
+
+
+def test_every_axis_ticks_on_round_1_2_5_steps(report: Path, flat_report: Path) -> None:
+    seen = 0
+    for page in (report, flat_report):
+        for title, svg in charts(page.read_text()).items():
+            labels = y_labels(svg)
+            if not labels:
+                continue  # "no L2 occupancy reported": nothing plotted
+            assert not any("e-" in label or "e+" in label for label in labels), (title, labels)
+            values = [label_value(label) for label in labels]
+            steps = {round(b - a, 9) for a, b in zip(values, values[1:])}
+            assert values[0] == 0 and len(steps) == 1 and is_1_2_5(steps.pop()), (title, labels)
+            clock = re.findall(r"class='ax xt'[^>]*>([^<]*)</text>", svg)
+            secs = [sum(int(part) * m for part, m in zip(c.split(":"), (3600, 60, 1))) for c in clock]
+            step = secs[1] - secs[0]
+            assert step in TIME_STEPS and all(t % step == 0 for t in secs), (title, clock)  # round clock times
+            seen += 1
+    assert seen >= 12
+
+
+# In the browser: the real text boxes of every chart's title, legend and plot area. The last
+# SVG is the old layout (legend drawn on the title's row) and must be reported: the check can fail.
+GEOMETRY = """<script>
+const box = b => ({x: b.x, y: b.y, r: b.x + b.width, b: b.y + b.height});
+const meet = (a, b) => a.x < b.r && b.x < a.r && a.y < b.b && b.y < a.b;
+const bad = [];
+const svgs = [...document.querySelectorAll("svg.chart")].filter(s => s.querySelector("rect.bg"));
+for (const svg of svgs) {
+  const name = svg.querySelector("text.t").textContent, title = box(svg.querySelector("text.t").getBBox());
+  const plot = box(svg.querySelector("rect.bg").getBBox()), width = svg.viewBox.baseVal.width;
+  const items = [...svg.querySelectorAll("rect.lg")].map(r => {
+    const sw = box(r.getBBox()), t = box(r.nextElementSibling.getBBox());
+    return {x: sw.x, y: Math.min(sw.y, t.y), r: t.r, b: Math.max(sw.b, t.b), label: r.nextElementSibling.textContent};
+  });
+  if (title.r > width) bad.push(`${name}: title wider than the chart`);
+  items.forEach((it, i) => {
+    if (meet(it, title)) bad.push(`${name}: legend "${it.label}" over the title`);
+    if (it.b > plot.y) bad.push(`${name}: legend "${it.label}" over the plot`);
+    if (it.r > width) bad.push(`${name}: legend "${it.label}" cut at the edge`);
+    items.slice(i + 1).forEach(o => { if (meet(it, o)) bad.push(`${name}: legends "${it.label}" and "${o.label}" overlap`); });
+  });
+}
+document.getElementById("geometry").textContent = JSON.stringify({charts: svgs.length, bad});
+</script>"""
+OLD_LAYOUT = (
+    "<svg class='chart' viewBox='0 0 560 190' width='560' height='190' xmlns='http://www.w3.org/2000/svg'>"
+    "<text x='56' y='14' class='t'>KV admission usage (usage + the room the next admission needs)</text>"
+    "<rect class='lg' x='420' y='6' width='10' height='10'/><text x='433' y='15' class='ax'>admission usage</text>"
+    "<rect x='56' y='22' width='492' height='142' class='bg'/></svg>"
+)
+
+
+def test_titles_and_legends_do_not_overlap_in_the_browser(report: Path, flat_report: Path, tmp_path: Path) -> None:
+    for page in (report, flat_report):
+        probe = tmp_path / f"{page.stem}-geometry.html"
+        probe.write_text(page.read_text().replace("</body>", f"{OLD_LAYOUT}<pre id='geometry'></pre>{GEOMETRY}</body>"))
+        res = chromium(tmp_path, probe, "--dump-dom")
+        found = re.search(r"<pre id=\"geometry\">(.*?)</pre>", res.stdout, re.S)
+        assert found, res.stderr[-2000:]
+        result = json.loads(html_lib.unescape(found.group(1)))
+        expected = len(re.findall(r"class='bg'", page.read_text())) + 1
+        assert result["charts"] == expected
+        assert result["bad"] == ["KV admission usage (usage + the room the next admission needs): legend \"admission usage\" over the title"]

@@ -21,10 +21,13 @@ import numpy as np
 from kvdiag.checks.timeline import Timeline, timeline
 from kvdiag.config import Config
 from kvdiag.model import Diagnosis
+from kvdiag.report.ticks import round_axis, time_ticks
 from kvdiag.window import Window
 
-W, H = 560, 190  # chart size
-ML, MR, MT, MB = 56, 12, 22, 26  # margins
+W, H = 560, 214  # chart size
+ML, MR, MB = 56, 12, 26  # margins; the top one holds the title and the legend rows under it
+TITLE_H, LEGEND_ROW_H = 20, 14
+LEGEND_CHAR_W = 6.0  # px per character of a 10px legend label (generous: labels must not overlap)
 
 CHECK_COLORS = {
     "kv_usage_saturated": "#d62728",
@@ -190,26 +193,30 @@ def _per_minute(w: Window, name: str) -> list[float | None]:
 
 
 def _svg(c: Chart, t0: float, t1: float, marks: list[tuple[float, str, str]]) -> str:
-    pw, ph = W - ML - MR, H - MT - MB
     head = f"<svg class='chart' role='img' viewBox='0 0 {W} {H}' width='{W}' height='{H}' xmlns='http://www.w3.org/2000/svg'>"
     title = f"<text x='{ML}' y='14' class='t'>{_e(c.title)}</text>"
     if c.empty:
         return head + title + f"<text x='{W / 2}' y='{H / 2}' class='empty' text-anchor='middle'>{_e(c.empty)}</text></svg>"
+    legend, rows = _legend([(ln.label, ln.color) for ln in c.stacked + c.lines])
+    mt = TITLE_H + LEGEND_ROW_H * rows + 6  # the plot starts below the title and the legend
+    pw, ph = W - ML - MR, H - mt - MB
     tops = _stack_tops(c) if c.stacked else []
     values = [v for layer in tops for v in layer if v is not None] + [v for ln in c.lines for v in ln.ys if v is not None]
-    ymax = c.y_max or max(values + [y for y, _, _ in c.hlines] + [1e-9]) * 1.1
+    axis = round_axis(c.y_max or max(values + [y for y, _, _ in c.hlines] + [0.0]))
+    ymax = axis.top
     span = max(t1 - t0, 1e-9)
     x = lambda t: ML + pw * (t - t0) / span  # noqa: E731
-    y = lambda v: MT + ph * (1 - min(max(v / ymax, 0.0), 1.0))  # noqa: E731
-    parts = [head, title, f"<rect x='{ML}' y='{MT}' width='{pw}' height='{ph}' class='bg'/>"]
-    for frac in (0, 0.5, 1):
-        v = ymax * frac
+    y = lambda v: mt + ph * (1 - min(max(v / ymax, 0.0), 1.0))  # noqa: E731
+    parts = [head, title, legend, f"<rect x='{ML}' y='{mt}' width='{pw}' height='{ph}' class='bg'/>"]
+    for v in axis.ticks:
         parts.append(f"<line x1='{ML}' x2='{ML + pw}' y1='{y(v):.1f}' y2='{y(v):.1f}' class='grid'/>")
-        parts.append(f"<text x='{ML - 4}' y='{y(v) + 4:.1f}' class='ax' text-anchor='end'>{_fmt(v)}</text>")
-    for frac in (0, 0.5, 1):
-        t = t0 + span * frac
-        anchor = "start" if frac == 0 else "end" if frac == 1 else "middle"
-        parts.append(f"<text x='{x(t):.1f}' y='{H - 8}' class='ax' text-anchor='{anchor}'>{_clock(t)}</text>")
+        parts.append(f"<text x='{ML - 4}' y='{y(v) + 4:.1f}' class='ax yt' text-anchor='end'>{axis.label(v)}</text>")
+    ticks, step = time_ticks(t0, t1)
+    for t in ticks:
+        anchor = "start" if x(t) - ML < 24 else "end" if ML + pw - x(t) < 24 else "middle"
+        label = _clock(t)[:-3] if step >= 60 else _clock(t)
+        parts.append(f"<line x1='{x(t):.1f}' x2='{x(t):.1f}' y1='{mt + ph}' y2='{mt + ph + 3}' class='grid'/>")
+        parts.append(f"<text x='{x(t):.1f}' y='{H - 8}' class='ax xt' text-anchor='{anchor}'>{label}</text>")
     lower: list[float | None] = [0.0] * len(c.xs)
     for layer, top in zip(c.stacked, tops):
         parts.append(_area(c.xs, lower, top, x, y, layer))
@@ -218,19 +225,31 @@ def _svg(c: Chart, t0: float, t1: float, marks: list[tuple[float, str, str]]) ->
         parts.append(_path(c.xs if len(ln.ys) == len(c.xs) else c.xs[: len(ln.ys)], ln, x, y))
     for v, label, color in c.hlines:
         parts.append(f"<line x1='{ML}' x2='{ML + pw}' y1='{y(v):.1f}' y2='{y(v):.1f}' stroke='{color}' class='hl'/>")
-        ly = y(v) - 3 if y(v) - MT > 14 else y(v) + 11  # below the line when it runs along the top
+        ly = y(v) - 3 if y(v) - mt > 14 else y(v) + 11  # below the line when it runs along the top
         parts.append(f"<text x='{ML + 4}' y='{ly:.1f}' class='ax' fill='{color}'>{_e(label)}</text>")
     for t, check, color in marks:
         parts.append(
-            f"<line x1='{x(t):.1f}' x2='{x(t):.1f}' y1='{MT}' y2='{MT + ph}' stroke='{color}' class='mark'>"
+            f"<line x1='{x(t):.1f}' x2='{x(t):.1f}' y1='{mt}' y2='{mt + ph}' stroke='{color}' class='mark'>"
             f"<title>{_e(check)} started firing at {_clock(t)}</title></line>"
         )
-    legend = [(ln.label, ln.color) for ln in c.stacked + c.lines]
-    lx = ML + pw
-    for label, color in reversed(legend):
-        lx -= 8 + 6.5 * len(label) + 14
-        parts.append(f"<rect x='{lx:.1f}' y='6' width='10' height='10' fill='{color}'/><text x='{lx + 13:.1f}' y='15' class='ax'>{_e(label)}</text>")
     return "".join(parts) + "</svg>"
+
+
+def _legend(entries: list[tuple[str, str]]) -> tuple[str, int]:
+    """The legend in rows under the title, left to right, a new row when one is full (so it
+    never runs into the title); the SVG and the number of rows it took."""
+    parts, rows, lx = [], 0, float(W)
+    for label, color in entries:
+        width = 13 + LEGEND_CHAR_W * len(label) + 14
+        if lx + width > W - MR:
+            rows, lx = rows + 1, float(ML)
+        ty = TITLE_H + LEGEND_ROW_H * rows - 3
+        parts.append(
+            f"<rect class='lg' x='{lx:.1f}' y='{ty - 9}' width='10' height='10' fill='{color}'/>"
+            f"<text x='{lx + 13:.1f}' y='{ty}' class='ax'>{_e(label)}</text>"
+        )
+        lx += width
+    return "".join(parts), rows
 
 
 def _stack_tops(c: Chart) -> list[list[float | None]]:
@@ -296,14 +315,6 @@ def _badge(verdict: str) -> str:
 
 def _opt(arr: np.ndarray) -> list[float | None]:
     return [None if math.isnan(v) else float(v) for v in arr]
-
-
-def _fmt(v: float) -> str:
-    if v >= 1e6:
-        return f"{v / 1e6:.1f}M"
-    if v >= 1e3:
-        return f"{v / 1e3:.0f}k"
-    return f"{v:.2g}" if v < 10 else f"{v:.0f}"
 
 
 def _clock(t: float) -> str:
