@@ -21,7 +21,13 @@ import pytest
 
 from kvdiag.cli import main
 from kvdiag.model import PoolSample
-from kvdiag.sources.logs import PREEMPTIONS_UNSEEN, LogStream, read_log
+from kvdiag.sources.logs import LogStream, read_log
+
+UNSEEN = "evictions_total absent: "  # the note of a vLLM log that cannot carry preemptions
+
+
+def unseen(s: PoolSample) -> bool:
+    return any(n.startswith(UNSEEN) for n in s.notes)
 from kvdiag.window import windows
 
 T0 = datetime(2026, 11, 29, 11, 33, 15, tzinfo=timezone.utc)
@@ -114,7 +120,9 @@ def saturation_story(engine: str = "sglang", *, healthy_s: int = 180, saturated_
                      start: datetime = datetime(2026, 11, 29, 11, 0, tzinfo=timezone.utc)) -> Story:
     """SGLang: Decode and Prefill lines every 4 s, access-log noise, and (once saturated) a retract
     warning every 12 s, printed by every TP rank while only TP0 prints stats. vLLM: one line every
-    10 s, ``Preemptions: N`` in saturated intervals only, a high prefix hit rate throughout."""
+    10 s, ``Preemptions: N`` in saturated intervals only, a high prefix hit rate throughout: a build
+    that prints the field, which no release up to 0.33.0 does (``test_logs_oracle`` reads the
+    engine's own lines); ``evictions`` counts from the first line that prints it."""
     lines: list[str] = []
     evictions = 0
     sat = start + timedelta(seconds=healthy_s)
@@ -142,14 +150,15 @@ def saturation_story(engine: str = "sglang", *, healthy_s: int = 180, saturated_
             k += 1
         return Story(engine, lines, start.timestamp(), sat.timestamp(), (end + timedelta(seconds=step)).timestamp(),
                      evictions)
-    t, k, waiting = start, 0, 0
+    t, k, waiting, printed = start, 0, 0, False
     while t <= end:
         saturated = t >= sat
         frac = (t - start).total_seconds() / healthy_s
         usage = 99.0 + (k % 3) * 0.5 if saturated else 30.0 + 40.0 * frac
         waiting = waiting + 3 if saturated else 0
         pre = 1 + k % 3 if saturated else None
-        evictions += pre or 0
+        evictions += (pre or 0) if printed else 0  # the count rises from the first line that prints it
+        printed = printed or pre is not None
         lines.append(vllm(v1_stats(64 if saturated else 20, waiting, usage, preemptions=pre, hit=85.0), t))
         lines.append(vllm('10.0.0.7:51234 - "POST /v1/completions HTTP/1.1" 200 OK', t, src="[launcher.py:99]"))
         t += timedelta(seconds=10)
@@ -176,7 +185,10 @@ def test_saturation_story_yields_pinned_usage_growing_queue_and_evictions(engine
     assert w.increase("evictions_total") == story.evictions > 0
     assert w.increase("evictions_total", since=sat) > 0
     ev_ts, ev = w.points("evictions_total")
-    assert ev[ev_ts < sat].max() == 0  # none while healthy
+    if engine == "sglang":
+        assert ev[ev_ts < sat].max() == 0  # none while healthy
+    else:  # unseen (absent, not 0) until the first line that prints 'Preemptions'
+        assert ev_ts[0] >= sat and w.points("usage_ratio")[0][0] < sat
     assert (np.diff(ev) >= 0).all()  # a running sum never goes down
     assert w.end <= story.end and w.start == story.start
 
@@ -413,7 +425,7 @@ def test_vllm_v1_line_with_every_optional_field() -> None:
     assert "last 1000 requests" in s.provenance["prefix_hit_ratio_gauge"].note
     assert "Deferred" in s.provenance["waiting"].note
     assert s.provenance["usage_ratio"].note.startswith("vLLM periodic stats line (loggers.py:248), field 'GPU KV")
-    assert PREEMPTIONS_UNSEEN not in s.notes
+    assert not unseen(s)
     for absent in ("used_tokens", "capacity_tokens", "prefix_hit_tokens_total", "decode_reserve_ratio", "ttft"):
         assert getattr(s, absent) is None, absent
 
@@ -437,16 +449,43 @@ def test_vllm_v1_line_with_every_optional_field() -> None:
 def test_vllm_v1_variants(line: str, instance: str, usage: float) -> None:
     s = one(line, year=2026)
     assert (s.instance, s.running, s.waiting, s.usage_ratio, s.ts) == (instance, 3, 0, usage, TS0)
-    assert s.evictions_total == 0 and PREEMPTIONS_UNSEEN in s.notes
+    assert s.evictions_total is None and unseen(s)  # vLLM V1 never prints 'Preemptions': absent, not 0
 
 
-def test_vllm_preemptions_are_per_interval_and_absent_means_zero() -> None:
+def test_vllm_preemptions_count_only_once_the_log_shows_the_field() -> None:
+    """No release prints the field; a build that does prints it when > 0: from its first
+    appearance on, a line without it counts 0 (and the lines before it counted 0 too)."""
     counts = [None, 3, None, 2, None]
     lines = [vllm(v1_stats(10, 5, 99.0, preemptions=c), T0 + timedelta(seconds=10 * i)) for i, c in enumerate(counts)]
     samples, _ = read(lines, year=2026)
-    assert [s.evictions_total for s in samples] == [0, 3, 3, 5, 5]
-    assert PREEMPTIONS_UNSEEN in samples[0].notes and PREEMPTIONS_UNSEEN not in samples[1].notes
+    assert [s.evictions_total for s in samples] == [None, 3, 3, 5, 5]
+    assert unseen(samples[0]) and not unseen(samples[1])
+    assert "app.log:1 to app.log:1 would have carried it" in samples[0].notes[-1]
     assert samples[-1].provenance["evictions_total"].metric == "app.log:5"
+    assert "from line 2 on" in samples[-1].provenance["evictions_total"].note
+
+
+@pytest.mark.parametrize(
+    ("version_line", "who"),
+    [
+        ("Initializing a V1 LLM engine (v0.33.0) with config: model='m', speculative_config=None",
+         "vLLM 0.33.0 (app.log:1)"),
+        ("vLLM API server version 0.12.0", "vLLM 0.12.0 (app.log:1)"),
+        (" \u2584\u2584 \u2584\u2588 \u2588     \u2588     \u2588 \u2580\u2584\u2580 \u2588  version 0.40.1", "vLLM 0.40.1 (app.log:1; newer"),
+        (None, "its version is not in the log"),
+    ],
+    ids=["engine core", "api server", "logo, newer", "no version line"],
+)
+def test_vllm_missing_preemptions_say_which_version_and_how_to_get_them(version_line: str | None, who: str) -> None:
+    lines = [vllm(version_line, src="[core.py:140]")] if version_line else []
+    lines += [vllm(v1_stats(10, 5, 99.0), T0 + timedelta(seconds=10 * i)) for i in range(3)]
+    samples, stream = read(lines, year=2026)
+    assert [s.evictions_total for s in samples] == [None] * 3
+    note = next(n for n in samples[-1].notes if n.startswith(UNSEEN))
+    assert who in note and "vllm:num_preemptions_total" in note and "not 0" in note
+    start = 2 if version_line else 1
+    assert f"app.log:{start} to app.log:{start + 2} would have carried it" in note
+    assert stream.report.engine_lines == 3 and stream.report.unparsed == 0  # the version line is no stats line
 
 
 def test_vllm_aggregated_engines_line_is_flagged() -> None:

@@ -29,7 +29,9 @@ def evaluate(window: Window, config: Config) -> CheckResult:
                 "only the last-event eviction gauge is reported; it holds the size of the most recent "
                 "event and cannot be rated, so growth is unknown",
             )
-        return absent(NAME, window, ("evictions_total",))
+        # A source that knows why the counter cannot exist says so in a note naming the field.
+        why = next((n for n in window.last.notes if n.startswith("evictions_total absent")), "")
+        return absent(NAME, window, ("evictions_total",), why)
     if too_short(ts, config):
         return needs_window(NAME, ts, config, {"evictions_total": float(total[-1])})
     increase = counter_increase(total)

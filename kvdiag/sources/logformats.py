@@ -1,7 +1,8 @@
 """The grammar of SGLang and vLLM server log lines: one regex per line format.
 
 Formats follow shared/facts/engine-metrics.md §1.8 (vLLM) and §2.8 (SGLang), checked against
-the engines' logging code. A physical line is read in three layers, each stripped in turn:
+the engines' logging code. A physical line (docker json-file records already turned into
+``<time> <text>`` lines by ``dockerjson.py``) is read in three layers, each stripped in turn:
 
 1. a collector's prefix, any of: ``kubectl logs --prefix`` (``[pod/name/container] ``),
    ``docker compose logs`` (``service-1  | ``), ``docker``/``kubectl logs --timestamps``
@@ -26,7 +27,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 #: A cheap first look at a raw line: lines without any of these are never engine stats.
 MARKERS = re.compile(
     r"Decode batch|Prefill batch|Retract requests\.|Decode out of memory happened|"
-    r"Avg prompt throughput:|Prefix cache hit rate: GPU:|total_num_cumulative_preemption="
+    r"Avg prompt throughput:|Prefix cache hit rate: GPU:|total_num_cumulative_preemption=|"
+    r"(?P<version>LLM engine \(v|server version |▀▄▀ █)"
 )
 
 COLLECTOR = re.compile(
@@ -62,6 +64,7 @@ KIND = re.compile(
     r"|(?P<vllm_stats>(?:Engine \d+: |\d+ Engines Aggregated: )?Avg prompt throughput)"
     r"|(?P<vllm_v0_hit>Prefix cache hit rate: GPU:)"
     r"|(?P<vllm_v0_preempt>Sequence group \S+ is preempted)"
+    r"|(?P<vllm_version>Initializing a V1 LLM engine \(v|vLLM (?:API )?server version |.*█ ▀▄▀ █)"
 )
 
 _U = r"\d+\.\d+"  # a ratio printed with a fixed number of decimals
@@ -155,6 +158,33 @@ VLLM_V0_PREEMPT = re.compile(
 )
 
 
+#: vLLM's version, as it logs it at start-up: the engine core's ``Initializing a V1 LLM engine (vX)``
+#: line, the API server's ``vLLM (API) server version X`` line, or the logo (0.30+, the default).
+VLLM_VERSION = re.compile(
+    r"(?:Initializing a V1 LLM engine \(v|vLLM (?:API )?server version |.*█ ▀▄▀ █\s+version\s+)"
+    r"(?P<version>\d+\.\d+(?:\.\d+)?[\w.+-]*)"
+)
+
+#: The ``Preemptions: N`` field of vLLM V1's periodic stats line, read off
+#: ``vllm/v1/metrics/loggers.py`` in the wheels of every x.y.0 release from 0.8.0 to 0.32.0, 0.11.1,
+#: 0.11.2 and 0.33.0: releases up to 0.11.0 have no such field; 0.11.1 added it, printed when the
+#: interval's count is > 0, but ``LoggingStatLogger.log()`` first calls ``_update_stats()``, whose
+#: ``_reset()`` sets ``num_preemptions = 0``, so no release up to 0.33.0 ever prints it, even
+#: while the engine preempts. A log of these versions cannot carry the preemption count.
+VLLM_PREEMPTIONS_ADDED = (0, 11, 1)
+VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH = (0, 33, 0)
+
+
+def vllm_prints_preemptions(version: str | None) -> bool | None:
+    """Whether vLLM ``version``'s stats line can print ``Preemptions``: False for every release
+    read (up to 0.33.0), None when the version is unknown or newer than those read."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    if m is None:
+        return None
+    release = (int(m[1]), int(m[2]), int(m[3] or 0))
+    return False if release <= VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH else None
+
+
 @dataclass(frozen=True)
 class LineFormat:
     """One message format: its engine, its name in reports and provenance, its grammar(s)."""
@@ -163,6 +193,7 @@ class LineFormat:
     engine: str
     title: str
     grammars: tuple[re.Pattern[str], ...]
+    stats: bool = True  # False for a line that only tells how to read the others (the version)
 
 
 FORMATS: dict[str, LineFormat] = {
@@ -174,6 +205,7 @@ FORMATS: dict[str, LineFormat] = {
         LineFormat("vllm_stats", "vllm", "vLLM periodic stats line", (VLLM_V1, VLLM_V0)),
         LineFormat("vllm_v0_hit", "vllm", "vLLM V0 prefix-cache hit-rate line", (VLLM_V0_HIT,)),
         LineFormat("vllm_v0_preempt", "vllm", "vLLM V0 preemption warning", (VLLM_V0_PREEMPT,)),
+        LineFormat("vllm_version", "vllm", "vLLM start-up version line", (VLLM_VERSION,), stats=False),
     )
 }
 
@@ -194,10 +226,22 @@ class LogLine:
     reason: str = ""
 
 
-def parse(raw: str) -> LogLine | None:
-    """The engine line in ``raw``, or None when ``raw`` is not an engine stats line at all."""
-    if MARKERS.search(raw) is None:
+@dataclass(frozen=True, slots=True)
+class Mention:
+    """A line that names an engine stats marker (``Decode batch``, ``Avg prompt throughput:``)
+    but holds no engine line kvdiag reads: a prompt quoting one, or a wrapper it does not know.
+    Skipped, but counted: a log with only these warns (see ``logs.LogReport``)."""
+
+    marker: str
+
+
+def parse(raw: str) -> LogLine | Mention | None:
+    """The engine line in ``raw``; a Mention when it names a stats marker but is no engine line;
+    None when it is not about engine stats at all."""
+    marker = MARKERS.search(raw)
+    if marker is None:
         return None
+    skipped = None if marker["version"] else Mention(marker[0])
     text = ANSI.sub("", raw) if "\x1b" in raw else raw
     text = text.rstrip("\r\n")
     col = COLLECTOR.match(text)
@@ -208,13 +252,15 @@ def parse(raw: str) -> LogLine | None:
     if head is None:
         kind = KIND.match(rest)
         if kind is None:
-            return None
+            return skipped
+        if kind.lastgroup == "vllm_version":
+            return None  # the version is only a hint: nothing to count
         return LogLine(FORMATS[kind.lastgroup or ""], None, None, zoned, "zoned", {}, source, None,
                        "no engine log prefix (timestamp) before the message")
     message = rest[head.end() :]
     kind = KIND.match(message)
     if kind is None:
-        return None
+        return skipped
     fmt = FORMATS[kind.lastgroup or ""]
     groups = head.groupdict()
     ranks = {tag: int(n) for tag, n in RANK.findall(groups["ranks"])} if "ranks" in groups else {}
@@ -229,5 +275,7 @@ def parse(raw: str) -> LogLine | None:
         m = grammar.match(message)
         if m is not None:
             return LogLine(fmt, m.groupdict(), grammar, stamp, stamp_kind, ranks, source, origin)
+    if fmt.key == "vllm_version":
+        return None
     return LogLine(fmt, None, None, stamp, stamp_kind, ranks, source, origin,
                    f"does not match the {fmt.title} grammar (truncated, or a variant kvdiag does not know)")

@@ -9,8 +9,10 @@ all there is. Both engines log what the checklist needs (grammar: ``logformats.p
   ``evictions_total``; prefill lines' ``#new-token`` / ``#cached-token`` add up to the prefix-cache
   counters. The retract line's ``#new_token_ratio: A -> B`` is the admission reserve ratio.
 - vLLM V1: one line per engine every 10 s (``VLLM_LOG_STATS_INTERVAL``; none while idle) with
-  running, waiting, KV usage (block granularity, 1 decimal of a percent), the per-interval
-  ``Preemptions: N`` (>= 0.12, printed only when > 0) and the hit rate of the last 1000 requests.
+  running, waiting, KV usage (block granularity, 1 decimal of a percent) and the hit rate of the
+  last 1000 requests. Its per-interval ``Preemptions: N`` field is never printed by any release
+  read (``logformats.VLLM_PREEMPTIONS_*``): absent is not zero, so ``evictions_total`` stays absent,
+  with a note that says why and how to get it, until a line shows the field (a build that prints it).
   V0 prints ``Running/Swapped/Pending`` lines, a separate hit-rate line, and
   ``total_num_cumulative_preemption=N`` on every 50th preemption.
 
@@ -27,6 +29,9 @@ Timestamps come from the lines. A collector's RFC 3339 stamp (docker/kubectl ``-
 journald short-iso) carries its zone and wins. Otherwise SGLang's local time is read in ``tz``
 (UTC by default) and vLLM's ``MM-DD`` in ``year`` (default: the current year, or the previous one
 when that would put the log in the future; December to January rolls the year over).
+
+Docker's json-file records (``dockerjson.py``) are unwrapped before anything else, their ``time``
+the zoned stamp. A log whose lines look like engine stats but none parses warns (``LogReport.warning``).
 
 Everything streams: one pass, constant memory, a generator of samples; ``follow`` keeps
 reading what is appended (tail -f), across rotation and truncation.
@@ -50,7 +55,16 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kvdiag.engines.base import instance_key
 from kvdiag.model import PoolSample, Provenance
-from kvdiag.sources.logformats import VLLM_V0, LogLine, parse
+from kvdiag.sources.dockerjson import unwrap
+from kvdiag.sources.logformats import (
+    VLLM_PREEMPTIONS_ADDED,
+    VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH,
+    VLLM_V0,
+    LogLine,
+    Mention,
+    parse,
+    vllm_prints_preemptions,
+)
 
 #: Problems kept with their text (the count goes on); bounds memory on a log full of garbage.
 MAX_PROBLEMS = 50
@@ -68,9 +82,21 @@ ENGINE_NOTES: dict[str, tuple[str, ...]] = {
         NO_HISTOGRAMS,
     ),
 }
-PREEMPTIONS_UNSEEN = (
-    "no 'Preemptions' field in this log yet: each interval counts 0 preemptions, which holds for "
-    "vLLM >= 0.12 (it prints the field only when > 0); older V1 releases never print it"
+
+def _fmt_release(release: tuple[int, int, int]) -> str:
+    return ".".join(map(str, release))
+
+
+#: Why a vLLM V1 log carries no eviction count. It starts with the field's name: the evictions
+#: check quotes such a note as the reason it is unknown.
+PREEMPTIONS_NEVER_PRINTED = (
+    "evictions_total absent: {who} prints no 'Preemptions' field in its periodic stats line "
+    f"(the field exists from {_fmt_release(VLLM_PREEMPTIONS_ADDED)}, but LoggingStatLogger.log() resets the "
+    "interval's count before formatting it, so no release up to "
+    f"{_fmt_release(VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH)} prints it, even while the engine preempts); the "
+    "stats lines {lines} would have carried it. Preemptions are not 0, they are unseen: read "
+    "vllm:num_preemptions_total from /metrics or a Prometheus server, or log with a build whose stats "
+    "line prints the field"
 )
 
 
@@ -95,13 +121,34 @@ class LogReport:
     duplicate_rank_lines: int = 0  # SGLang lines of a TP/PP rank that repeats another's pool
     unparsed: int = 0
     problems: list[LogProblem] = field(default_factory=list)  # the first MAX_PROBLEMS of them
+    mentions: int = 0  # lines naming a stats marker that hold no engine line (skipped)
+    first_mention: LogProblem | None = None
     assumptions: list[str] = field(default_factory=list)
 
     def problem(self, lineno: int, line: LogLine, raw: str) -> None:
         self.unparsed += 1
         if len(self.problems) < MAX_PROBLEMS:
-            text = raw.rstrip("\r\n")
-            self.problems.append(LogProblem(f"{self.name}:{lineno}", line.fmt.title, line.reason, text[:200]))
+            self.problems.append(LogProblem(f"{self.name}:{lineno}", line.fmt.title, line.reason, _shown(raw)))
+
+    def mention(self, lineno: int, line: Mention, raw: str) -> None:
+        self.mentions += 1
+        if self.first_mention is None:
+            self.first_mention = LogProblem(
+                f"{self.name}:{lineno}", f"a line naming '{line.marker}'",
+                "no engine log line at its start, under any wrapper kvdiag reads", _shown(raw))
+
+    def warning(self) -> str | None:
+        """Set when lines look like engine stats and none was read: the log is wrapped or
+        written in a way kvdiag does not read, and an empty diagnosis must not look healthy."""
+        looked = self.unparsed + self.mentions
+        if self.engine_lines or not looked:
+            return None
+        example = self.problems[0] if self.problems else self.first_mention
+        assert example is not None
+        return (
+            f"warning: {looked} line(s) look like engine stats and none parses (a wrapper or format kvdiag "
+            f"does not read?), e.g. {example.where}: {example.text!r}"
+        )
 
     def assume(self, text: str) -> None:
         if text not in self.assumptions:
@@ -117,12 +164,20 @@ class LogReport:
             + (f", {self.duplicate_rank_lines} duplicate TP/PP-rank lines skipped" if self.duplicate_rank_lines else "")
         ]
         out += [f"assumed: {a}" for a in self.assumptions]
+        warning = self.warning()
+        if warning:
+            out.append(warning)
         if self.unparsed:
             out.append(f"{self.unparsed} line(s) look like engine stats but do not parse (not used):")
             out += [f"  {p.where}: {p.format}: {p.reason}: {p.text!r}" for p in self.problems]
             if self.unparsed > len(self.problems):
                 out.append(f"  ... and {self.unparsed - len(self.problems)} more")
         return out
+
+
+def _shown(raw: str) -> str:
+    """A problem line as reports quote it: no line end, at most 200 characters."""
+    return raw.rstrip("\r\n")[:200]
 
 
 def parse_tz(value: str | tzinfo | None) -> tzinfo:
@@ -237,6 +292,7 @@ class _Instance:
     prefill_lines: int = 0
     prefix_provs: tuple[Provenance, Provenance] | None = None
     saw_preemptions: bool = False
+    preemptions_from: int = 0  # the first line that printed vLLM's 'Preemptions' field
     v0_hit: tuple[float, int] | None = None
     last: PoolSample | None = None
     pending_ts: float | None = None  # a counter moved after the last sample, at this time
@@ -251,8 +307,12 @@ class _Assembler:
         self.report = report
         self.instances: dict[str, _Instance] = {}
         self.pools: set[tuple[str | None, int | None, int]] = set()  # SGLang ranks that print stats
+        self.versions: dict[str | None, tuple[str, int]] = {}  # vLLM version and its line, by collector source
 
     def feed(self, lineno: int, line: LogLine, ts: float) -> PoolSample | None:
+        if line.fmt.key == "vllm_version":
+            self.versions[line.source] = ((line.fields or {})["version"], lineno)
+            return None
         inst = self._instance(lineno, line)
         if inst is None:
             return None
@@ -419,25 +479,42 @@ class _Assembler:
                     self._where(at), note="vLLM V0 'Prefix cache hit rate: GPU: X%' line, printed after the "
                     "previous stats line (one interval older)"))
         else:
-            self._v1_counters(inst, lineno, f, ps)
+            self._v1_counters(inst, lineno, f, line, ps)
             if f.get("hit") is not None:
                 ps.set("prefix_hit_ratio_gauge", float(f["hit"]) / 100.0, Provenance(
                     where, note=f"{title}, field 'Prefix cache hit rate': a rate over the last 1000 requests "
                     "(vLLM's CachingMetrics window), not a counter"))
         return self._emit(inst, ps)
 
-    def _v1_counters(self, inst: _Instance, lineno: int, f: dict[str, str], ps: PoolSample) -> None:
+    def _v1_counters(self, inst: _Instance, lineno: int, f: dict[str, str], line: LogLine, ps: PoolSample) -> None:
+        """Preemptions, summed over intervals, only once the log shows it prints the field (a
+        build that prints it does so when the count is > 0, so the earlier lines counted 0)."""
         count = f.get("preemptions")
-        inst.saw_preemptions = inst.saw_preemptions or count is not None
+        if count is None and not inst.saw_preemptions:
+            ps.notes.append(self._preemptions_unseen(inst, lineno, line))
+            return
+        if not inst.saw_preemptions:
+            inst.saw_preemptions, inst.evictions = True, 0.0
+            inst.preemptions_from = lineno
         inst.evictions = (inst.evictions or 0.0) + (float(count) if count is not None else 0.0)
         inst.eviction_lines += 1
         inst.eviction_prov = Provenance(
             self._where(lineno), derived=True,
             note=f"sum of the per-interval 'Preemptions' over {inst.eviction_lines} stats line(s) from line "
-            f"{inst.first_line} on; a line without the field counts 0",
+            f"{inst.preemptions_from} on (the first to print the field; this build prints it when > 0, "
+            f"so a line without it counts 0 and the lines from {inst.first_line} before it counted 0)",
         )
-        if not inst.saw_preemptions:
-            ps.notes.append(PREEMPTIONS_UNSEEN)
+
+    def _preemptions_unseen(self, inst: _Instance, lineno: int, line: LogLine) -> str:
+        version = self.versions.get(line.source)
+        if version is not None and vllm_prints_preemptions(version[0]) is False:
+            who = f"vLLM {version[0]} ({self._where(version[1])})"
+        elif version is not None:
+            who = f"vLLM {version[0]} ({self._where(version[1])}; newer than the releases kvdiag has read) so far"
+        else:
+            who = "this vLLM (its version is not in the log: no 'Initializing a V1 LLM engine (vX)' line)"
+        lines = f"{self._where(inst.first_line)} to {self._where(lineno)}"
+        return PREEMPTIONS_NEVER_PRINTED.format(who=who, lines=lines)
 
     def _vllm_v0_hit(self, inst: _Instance, lineno: int, f: dict[str, str], line: LogLine, ts: float, note: str | None) -> None:
         inst.v0_hit = (float(f["hit"]) / 100.0, lineno)
@@ -562,10 +639,13 @@ class LogStream:
     def _run(self) -> Iterator[PoolSample]:
         report = self.report
         assembler = _Assembler(report.name, self._clock, report)
-        for lineno, raw in self._lines:
+        for lineno, raw in unwrap(self._lines):
             report.lines += 1
             line = parse(raw)
             if line is None:
+                continue
+            if isinstance(line, Mention):
+                report.mention(lineno, line, raw)
                 continue
             if line.fields is None:
                 report.problem(lineno, line, raw)
@@ -575,7 +655,7 @@ class LogStream:
             except ValueError as exc:
                 report.problem(lineno, dataclasses.replace(line, reason=f"timestamp {line.stamp!r}: {exc}"), raw)
                 continue
-            report.engine_lines += 1
+            report.engine_lines += line.fmt.stats
             sample = assembler.feed(lineno, line, ts)
             if sample is not None:
                 yield sample
