@@ -20,15 +20,21 @@ Granularity = Literal["token", "block"]
 
 @dataclass(frozen=True)
 class Provenance:
-    """Where a field came from: the metric (or metrics) and whether it was read or derived."""
+    """Where a field came from: the metric (or metrics) and whether it was read or derived.
+
+    ``invalid`` marks a field the source did report but with an impossible value (non-finite,
+    out of range, a ratio above 1): the field is absent, and this says why, so evidence can
+    name the metric that was refused instead of calling it missing.
+    """
 
     metric: str
     derived: bool = False
     note: str = ""
+    invalid: bool = False
 
     def describe(self) -> str:
         how = "derived from " if self.derived else ""
-        return f"{how}{self.metric}" + (f" ({self.note})" if self.note else "")
+        return ("INVALID, not used: " if self.invalid else "") + f"{how}{self.metric}" + (f" ({self.note})" if self.note else "")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,57 @@ NUMERIC_FIELDS = (
     "external_query_tokens_total",
     "decode_reserve_ratio",
 )
+
+#: Fields that hold a cumulative ``Histogram``.
+HISTOGRAM_FIELDS = ("ttft", "queue_time")
+
+#: (part, whole) counter pairs: hits are a subset of queries, so a part above its whole makes
+#: the ratio above 1 and both figures suspect.
+PARTS = (
+    ("prefix_hit_tokens_total", "prefix_query_tokens_total"),
+    ("external_hit_tokens_total", "external_query_tokens_total"),
+    ("l2_used_tokens", "l2_capacity_tokens"),
+)
+
+#: The largest integer a float holds exactly: a token or request count beyond it is no count.
+MAX_COUNT = float(2**53)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The closed range a numeric field can take; a value outside it is invalid, not a figure."""
+
+    low: float = 0.0
+    high: float = MAX_COUNT
+
+    def violation(self, v: float) -> str | None:
+        """Why ``v`` cannot be this field's value, or None when it can."""
+        if math.isnan(v) or math.isinf(v):
+            return f"{v} is not a finite number"
+        if v < self.low:
+            return f"{v!r} is below {self.low:g}" + (" (counts are never negative)" if self.low == 0 else "")
+        if v > self.high:
+            return f"{v!r} is above {self.high:g}"
+        return None
+
+
+#: Every numeric field's range; fields not named are counts in [0, MAX_COUNT]. A pool needs
+#: at least one slot, and the engines' ratios are fractions of something.
+LIMITS: dict[str, Limits] = {
+    "capacity_tokens": Limits(1.0),
+    "block_size": Limits(1.0),
+    "num_blocks": Limits(1.0),
+    "usage_ratio": Limits(0.0, 1.0),
+    "prefix_hit_ratio_gauge": Limits(0.0, 1.0),
+    "decode_reserve_ratio": Limits(0.0, 1.0),
+}
+_COUNT = Limits()
+
+
+def violation(name: str, v: float) -> str | None:
+    """Why ``v`` is impossible for field ``name`` (None when it is a possible value)."""
+    return LIMITS.get(name, _COUNT).violation(v)
+
 
 #: Fields that are cumulative counters: windows take reset-safe increases of these.
 COUNTER_FIELDS = (
@@ -137,12 +194,40 @@ class PoolSample:
     provenance: dict[str, Provenance] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-    def set(self, name: str, value: float | Histogram | None, source: Provenance) -> None:
-        """Set a field with its provenance; ``None`` leaves it absent and unrecorded."""
+    def set(self, name: str, value: float | Histogram | None, source: Provenance) -> bool:
+        """Set a field with its provenance; ``None`` leaves it absent and unrecorded.
+
+        An impossible number (``violation``) is never stored: the field stays absent and is
+        marked invalid with the reason, whichever source (scrape, log) produced it. Returns
+        whether the value was stored.
+        """
         if value is None:
-            return
+            return False
+        if not isinstance(value, Histogram):
+            why = violation(name, float(value))
+            if why is not None:
+                self.invalidate(name, source, why)
+                return False
         setattr(self, name, value)
         self.provenance[name] = source
+        return True
+
+    def invalidate(self, name: str, source: Provenance, why: str) -> None:
+        """Drop a field's value as impossible: absent, with the reason in provenance and notes."""
+        setattr(self, name, None)
+        note = "; ".join(x for x in (source.note, why) if x)
+        self.provenance[name] = Provenance(source.metric, source.derived, note, invalid=True)
+        self.notes.append(f"{source.metric}: {why}; {name} treated as absent")
+
+    def check_parts(self) -> None:
+        """Invalidate both fields of a (part, whole) pair whose part exceeds its whole: the
+        ratio would be above 1, and which of the two is wrong cannot be known."""
+        for part, whole in PARTS:
+            p, w = getattr(self, part), getattr(self, whole)
+            if p is not None and w is not None and p > w:
+                why = f"{part} {p:g} exceeds {whole} {w:g} (a ratio of {p / w if w else math.inf:.2f})"
+                for name in (part, whole):
+                    self.invalidate(name, self.provenance[name], why)
 
     @property
     def prefix_hit_ratio(self) -> float | None:
@@ -153,7 +238,7 @@ class PoolSample:
         return self.prefix_hit_ratio_gauge
 
     def present(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name in self.provenance]
+        return [f.name for f in fields(self) if f.name in self.provenance and not self.provenance[f.name].invalid]
 
 
 @dataclass

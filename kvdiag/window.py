@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import numpy as np
 import pandas as pd
 
-from kvdiag.model import NUMERIC_FIELDS, Histogram, PoolSample, Provenance
+from kvdiag.model import COUNTER_FIELDS, HISTOGRAM_FIELDS, NUMERIC_FIELDS, Histogram, PoolSample, Provenance
 
 #: Theil-Sen slopes use at most this many evenly spaced points (pairs grow quadratically).
 TREND_POINTS = 48
@@ -33,21 +33,61 @@ class QuantileEstimate:
     observations: float  # observations in the window
 
 
+#: A counter that drops to at most this fraction of its last value restarted: the engine came
+#: back from zero and counted for at most one scrape interval since. A smaller drop is no
+#: restart (counters only grow) but an impossible sample, left out of every increase.
+RESTART_FRACTION = 0.5
+
+
+def counter_step(prev: float | None, value: float) -> float | None:
+    """What a counter's new sample adds after ``prev``, its last valid sample.
+
+    The difference; the whole value after a restart (a drop to a small value) or for the
+    first sample; None when the sample is impossible (a decrease that is no restart).
+    """
+    if prev is None:
+        return value
+    if value >= prev:
+        return value - prev
+    if value <= prev * RESTART_FRACTION:
+        return value
+    return None
+
+
+def counter_valid(values: np.ndarray) -> np.ndarray:
+    """Which samples of a cumulative series (NaNs already removed) are possible values."""
+    keep = np.ones(len(values), dtype=bool)
+    if len(values) < 2 or not (np.diff(values) < 0).any():
+        return keep  # the common case: a counter that only grew
+    prev = float(values[0])
+    for i in range(1, len(values)):
+        v = float(values[i])
+        if counter_step(prev, v) is None:
+            keep[i] = False
+        else:
+            prev = v
+    return keep
+
+
 def counter_increase(values: np.ndarray) -> float:
     """Reset-safe increase of a cumulative series (NaNs already removed).
 
-    A drop means the counter restarted from zero, so the value after the drop is the increase
-    since the restart; a restart never yields a negative or an inflated increase.
+    A restart (``counter_step``) counts the value after it as the increase since the restart;
+    an impossible sample is left out; so neither yields a negative or an inflated increase.
     """
     if len(values) < 2:
         return 0.0
+    values = values[counter_valid(values)]
     deltas = np.diff(values)
     resets = deltas < 0
     return float(np.where(resets, values[1:], deltas).sum())
 
 
 def count_resets(values: np.ndarray) -> int:
-    return int((np.diff(values) < 0).sum()) if len(values) > 1 else 0
+    """Restarts in a cumulative series (impossible samples are no restarts)."""
+    if len(values) < 2:
+        return 0
+    return int((np.diff(values[counter_valid(values)]) < 0).sum())
 
 
 def bucket_quantile(q: float, bounds: tuple[float, ...], counts: np.ndarray) -> QuantileEstimate | None:
@@ -188,12 +228,29 @@ class Window:
         return Window.from_columns(self.instance, self.column("ts")[keep], columns, hists, self._last)
 
     def provenance(self, name: str) -> tuple[Provenance | None, Provenance | None]:
-        """Where a field came from at the start and at the end of the window."""
+        """Where a field came from at the start and at the end of the window; a counter with
+        impossible samples in the window says how many were left out."""
         last = self._last.provenance.get(name)
         if self._samples is None:
-            return last, last
-        first = next((s.provenance[name] for s in self._samples if name in s.provenance), None)
+            first = last
+        else:
+            first = next((s.provenance[name] for s in self._samples if name in s.provenance), None)
+        dropped = self.invalid_samples(name)
+        if dropped and last is not None:
+            why = f"{dropped} sample{'s' if dropped > 1 else ''} in the window decreased without a restart; left out"
+            last = replace(last, note="; ".join(x for x in (last.note, why) if x))
         return first, last
+
+    def invalid_samples(self, name: str) -> int:
+        """Samples of a counter (or of a histogram's count) that decreased without a restart."""
+        if name in COUNTER_FIELDS:
+            vals = self.points(name)[1]
+        elif name in HISTOGRAM_FIELDS:
+            built = self._histograms(name)
+            vals = built[4] if built is not None else np.empty(0)
+        else:
+            return 0
+        return int((~counter_valid(vals)).sum())
 
     @property
     def frame(self) -> pd.DataFrame:
@@ -282,9 +339,10 @@ class Window:
         if built is None:
             return None
         bounds, ts, counts, sums, totals = built
+        keep = counter_valid(totals)
         if since is not None:
-            keep = ts >= since
-            counts, sums, totals = counts[keep], sums[keep], totals[keep]
+            keep &= ts >= since
+        counts, sums, totals = counts[keep], sums[keep], totals[keep]
         if len(totals) == 0:
             return None
         if len(totals) == 1:

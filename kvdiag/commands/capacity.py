@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from kvdiag import capacity as cap
+from kvdiag.report.json import dumps
 
 EXIT_ERROR = 3
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdiag capacity: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
-        print(json.dumps(plan_json(p, contexts), indent=2))
+        print(dumps(plan_json(p, contexts), indent=2))
         return 0
     console = Console()
     kind = "MLA latent" if p.model.mla else "K+V"

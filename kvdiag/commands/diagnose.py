@@ -10,7 +10,6 @@ through the same adapters, windows and checks. Exit code: the worst verdict over
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from kvdiag.engines import UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import PoolSample, Scrape
 from kvdiag.report import diagnosis as terminal
-from kvdiag.report.json import report_json
+from kvdiag.report.json import dumps, report_json
 from kvdiag.sources.inputs import is_url
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.files import read_path
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         for line in log.report.describe():
             print(f"kvdiag diagnose: {line}", file=sys.stderr)
     if args.json:
-        print(json.dumps(report_json(diagnoses, code), indent=2))
+        print(dumps(report_json(diagnoses, code), indent=2))
     else:
         terminal.render(Console(), diagnoses)
     if args.html:

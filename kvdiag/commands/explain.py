@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 
@@ -12,6 +11,7 @@ from rich.table import Table
 
 from kvdiag import config as cfg
 from kvdiag.checks import catalog
+from kvdiag.report.json import dumps
 
 EXIT_ERROR = 3
 
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdiag explain: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
-        print(json.dumps(catalog_json(config), indent=2))
+        print(dumps(catalog_json(config), indent=2))
         return 0
     if args.yaml:
         print(config_yaml(config), end="")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Iterable
 
@@ -19,6 +18,7 @@ from kvdiag.sources.inputs import read_inputs
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.recording import RecordingError
 from kvdiag.sources.scrape import ScrapeError
+from kvdiag.report.json import dumps
 
 EXIT_ERROR = 3
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         doc: dict = {"instances": out}
         if streams:
             doc["logs"] = [s.report.as_dict() for s in streams]
-        print(json.dumps(doc, indent=2))
+        print(dumps(doc, indent=2))
         return 0
     _print_tables(Console(), latest.samples.values(), args.provenance)
     return 0
@@ -156,7 +156,7 @@ def _follow(args: argparse.Namespace, stream: LogStream, latest: Latest) -> int:
         if args.json:
             for s in stream:
                 latest.add(s)
-                print(json.dumps(sample_json(s)), flush=True)
+                print(dumps(sample_json(s)), flush=True)
         else:
             with Live(_LiveTable(latest), console=console, refresh_per_second=2, transient=True):
                 for s in stream:

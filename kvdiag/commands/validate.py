@@ -11,7 +11,6 @@ right, 1 otherwise, 3 on a usage error.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from rich.console import Console
@@ -21,6 +20,7 @@ from kvdiag import config as cfg
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, get
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.validate import Report, validate
+from kvdiag.report.json import dumps
 
 EXIT_ERROR = 3
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     tune_gc()
     report = validate(scenarios, args.engine or ENGINES, config, args.interval)
     if args.json:
-        print(json.dumps(report.as_json(), indent=2))
+        print(dumps(report.as_json(), indent=2))
     else:
         render(Console(width=None if sys.stdout.isatty() else 200), report)
     return 0 if report.correct == len(report.results) else 1

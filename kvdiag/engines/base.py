@@ -131,23 +131,54 @@ def value(
     return _combine(picked, sum_over)
 
 
+class InvalidHistogram(ValueError):
+    """A histogram whose samples contradict each other or are no numbers; says which."""
+
+
 def histogram(
     fam: Family | None, split: dict[str, str], sum_over: tuple[str, ...] = ()
 ) -> Histogram | None:
-    """A family's cumulative histogram for one instance, partitions added bucket by bucket."""
+    """A family's cumulative histogram for one instance, partitions added bucket by bucket.
+
+    None when the instance has no buckets (or no ``+Inf`` bucket); ``InvalidHistogram`` when
+    the buckets cannot be a histogram: a bound that is no number, a count that is not a
+    finite non-negative number, counts that decrease towards ``+Inf``, or a ``_count`` that
+    differs from the ``+Inf`` bucket. A non-finite ``_sum`` only loses the sum.
+    """
     if fam is None:
         return None
     by_le: dict[float, list[Sample]] = {}
     for s in members(fam, split, "_bucket"):
         if "le" in s.labels:
-            by_le.setdefault(float(s.labels["le"]), []).append(s)
+            by_le.setdefault(_bound(s.labels["le"]), []).append(s)
     if not by_le or math.inf not in by_le:
         return None
     bounds = tuple(sorted(by_le))
     counts = tuple(_combine(by_le[b], sum_over) or 0.0 for b in bounds)
+    for b, c in zip(bounds, counts):
+        if not (math.isfinite(c) and c >= 0):
+            raise InvalidHistogram(f"bucket le={b:g} holds {c!r}, not a finite count")
+    for (b0, c0), (b1, c1) in zip(zip(bounds, counts), zip(bounds[1:], counts[1:])):
+        if c1 < c0:
+            raise InvalidHistogram(f"cumulative buckets decrease: le={b0:g} holds {c0:g}, le={b1:g} holds {c1:g}")
     total = value(fam, split, "_count", sum_over=sum_over)
+    if total is not None and total != counts[-1]:
+        raise InvalidHistogram(f"_count {total!r} differs from the +Inf bucket {counts[-1]:g}")
     hsum = value(fam, split, "_sum", sum_over=sum_over)
-    return Histogram(bounds, counts, hsum if hsum is not None else math.nan, total if total is not None else counts[-1])
+    if hsum is None or not math.isfinite(hsum):
+        hsum = math.nan
+    return Histogram(bounds, counts, hsum, counts[-1])
+
+
+def _bound(le: str) -> float:
+    """A bucket's upper bound; Prometheus' own parsing (Go ParseFloat) of the ``le`` label."""
+    try:
+        b = float(le) if "_" not in le else math.nan
+    except ValueError:
+        b = math.nan
+    if math.isnan(b):
+        raise InvalidHistogram(f"bucket bound le={le!r} is not a number")
+    return b
 
 
 def split_values(families: Iterable[Family | None], label: str) -> list[str]:
@@ -208,8 +239,7 @@ def put(
         return None
     if server_wide(fam, split, suffix):
         note = "; ".join(x for x in (note, "server-wide series, not split by " + ",".join(split)) if x)
-    sample.set(field_name, v, Provenance(metric, note=note))
-    return v
+    return v if sample.set(field_name, v, Provenance(metric, note=note)) else None
 
 
 def put_histogram(
@@ -222,8 +252,12 @@ def put_histogram(
 ) -> None:
     if fam_name is None or fam is None:
         return
-    h = histogram(fam, split, sum_over)
+    note = "server-wide series, not split by " + ",".join(split) if server_wide(fam, split) else ""
+    try:
+        h = histogram(fam, split, sum_over)
+    except InvalidHistogram as exc:
+        sample.invalidate(field_name, Provenance(fam_name, note=note), str(exc))
+        return
     if h is None:
         return
-    note = "server-wide series, not split by " + ",".join(split) if server_wide(fam, split) else ""
     sample.set(field_name, h, Provenance(fam_name, note=note))

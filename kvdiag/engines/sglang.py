@@ -16,11 +16,14 @@ Version facts encoded here (shared/facts/engine-metrics.md §2):
 
 from __future__ import annotations
 
+import math
+
 from kvdiag.engines.base import (
     Instance,
     Knobs,
     first,
     instance_key,
+    members,
     model_name,
     put,
     put_histogram,
@@ -121,10 +124,12 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
     put(ps, "available_tokens", *fam("kv_available_tokens"), split)
     if ps.used_tokens is None:
         put(ps, "used_tokens", *fam("num_used_tokens"), split, note="total - available - evictable")
-    if capacity is None and usage and ps.used_tokens is not None:
+    # The fallback is for versions without the gauge; a gauge that was refused stays refused.
+    if "capacity_tokens" not in ps.provenance and usage and ps.used_tokens is not None:
+        derived = ps.used_tokens / usage  # a usage below the engine's 0.01 step can overflow
         ps.set(
             "capacity_tokens",
-            round(ps.used_tokens / usage),
+            round(derived) if math.isfinite(derived) else derived,
             Provenance(P + "num_used_tokens / " + P + "token_usage", True, "inherits the 2-decimal rounding"),
         )
     put(ps, "running", *fam("num_running_reqs"), split)
@@ -139,29 +144,34 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
     put(ps, "l2_capacity_tokens", *fam("hicache_host_total_tokens"), split)
     put_histogram(ps, "ttft", *fam("time_to_first_token_seconds"), split, sum_over=_STREAM)
     put_histogram(ps, "queue_time", *fam("queue_time_seconds"), split, sum_over=_STREAM)
+    ps.check_parts()
     return ps
 
 
 def _evictions(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """The retraction counter, else the legacy cumulative gauge, else "none yet" where the
+    version has the counter; a series that is there but unreadable (NaN, negative) stays absent."""
     counter = expo.get(P + "num_retracted_requests")
-    if put(ps, "evictions_total", P + "num_retracted_requests", counter, split, suffix="_total") is None:
-        legacy = expo.get(P + "total_retracted_reqs")
-        if put(ps, "evictions_total", P + "total_retracted_reqs", legacy, split, note="cumulative gauge (0.4.10-0.5.2)") is None:
-            if any(expo.get(n) is not None for n in HAS_RETRACT_COUNTER):
-                ps.set(
-                    "evictions_total",
-                    0.0,
-                    Provenance(
-                        P + "num_retracted_requests_total",
-                        True,
-                        "not created until the first retraction (multiprocess registry); none yet",
-                    ),
-                )
-            else:
-                ps.notes.append(
-                    "this SGLang version exports retractions only as the last-event gauge "
-                    "sglang:num_retracted_reqs, which cannot be rated; SGLang >= 0.5.7 has the counter"
-                )
+    legacy = expo.get(P + "total_retracted_reqs")
+    if counter is not None and members(counter, split, "_total"):
+        put(ps, "evictions_total", P + "num_retracted_requests", counter, split, suffix="_total")
+    elif legacy is not None and members(legacy, split, ""):
+        put(ps, "evictions_total", P + "total_retracted_reqs", legacy, split, note="cumulative gauge (0.4.10-0.5.2)")
+    elif any(expo.get(n) is not None for n in HAS_RETRACT_COUNTER):
+        ps.set(
+            "evictions_total",
+            0.0,
+            Provenance(
+                P + "num_retracted_requests_total",
+                True,
+                "not created until the first retraction (multiprocess registry); none yet",
+            ),
+        )
+    else:
+        ps.notes.append(
+            "this SGLang version exports retractions only as the last-event gauge "
+            "sglang:num_retracted_reqs, which cannot be rated; SGLang >= 0.5.7 has the counter"
+        )
     put(ps, "last_eviction_event", P + "num_retracted_reqs", expo.get(P + "num_retracted_reqs"), split)
 
 

@@ -106,6 +106,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
     put_histogram(ps, "ttft", P + "time_to_first_token_seconds", expo.get(P + "time_to_first_token_seconds"), split)
     qname, qfam = first(expo, P + "request_queue_time_seconds", P + "time_in_queue_requests")
     put_histogram(ps, "queue_time", qname, qfam, split)
+    ps.check_parts()
     return ps
 
 
@@ -139,10 +140,10 @@ def _capacity(expo: Exposition, ps: PoolSample, split: dict[str, str], n_engines
         )
     if size_tokens is not None:
         ps.set("capacity_tokens", size_tokens, Provenance(src + "{kv_cache_size_tokens}"))
-    elif ps.num_blocks is not None and block_size is not None:
+    elif ps.num_blocks is not None and ps.block_size is not None:
         ps.set(
             "capacity_tokens",
-            (ps.num_blocks - 1) * block_size,
+            (ps.num_blocks - 1) * ps.block_size,
             Provenance(src + "{num_gpu_blocks,block_size}", True, "(blocks - null block) x block_size"),
         )
 

@@ -11,12 +11,12 @@ is deterministic: sorted keys, ids and ``refId`` by position.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from kvdiag.config import Config
 from kvdiag.render.normalize import series_name
 from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
+from kvdiag.report.json import dumps
 
 OVERVIEW_UID = "kvdiag-overview"
 OVERVIEW_SLUG = "kv-pool-overview"
@@ -254,7 +254,7 @@ def to_json(d: Dashboard, lbl: Labels = Labels()) -> str:
         "uid": d.uid,
         "version": 1,
     }
-    return json.dumps(body, indent=2, sort_keys=True) + "\n"
+    return dumps(body, indent=2, sort_keys=True) + "\n"
 
 
 def dashboards(config: Config, lbl: Labels = Labels()) -> dict[str, Dashboard]:

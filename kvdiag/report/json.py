@@ -4,12 +4,17 @@
 {"status", "evidence": {...}}}, "remedies": [text], ...}]}``; the extra keys (severity, alert,
 reason, figures, window, notes, finding details, each check's missing fields and hint) are
 additions to the documented shape, never replacements.
+
+Every JSON kvdiag writes (reports, the API, recordings, generated dashboards) goes through
+``dumps``: strict JSON, since browsers and most parsers reject the bare ``NaN`` / ``Infinity``
+that Python's encoder writes by default.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 from kvdiag.model import CheckResult, Diagnosis
 
@@ -55,3 +60,26 @@ def report_json(diagnoses: Iterable[Diagnosis], exit_code: int) -> dict:
 
 def _num(v: float) -> float | None:
     return None if v is None or math.isnan(v) else float(v)
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that never writes ``NaN``/``Infinity``: a non-finite float becomes null.
+
+    The common document has none, so it is encoded once, strictly; only a document that
+    holds one is walked and encoded again.
+    """
+    try:
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
+def finite(v: Any) -> Any:
+    """A copy of a JSON-able document with every non-finite float replaced by None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x) for x in v]
+    return v

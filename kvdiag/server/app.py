@@ -9,8 +9,6 @@ engines and passes each as ``?target=``; kvdiag fetches only what the allowlist 
 from __future__ import annotations
 
 import hmac
-import json
-import math
 import time
 from typing import Any
 
@@ -25,7 +23,7 @@ from kvdiag.commands.inspect import sample_json
 from kvdiag.config import Config
 from kvdiag.engines import ADAPTERS
 from kvdiag.model import NUMERIC_FIELDS
-from kvdiag.report.json import report_json
+from kvdiag.report.json import dumps, report_json
 from kvdiag.server.collector import ExporterCollector
 from kvdiag.server.loop import ScrapeLoop
 from kvdiag.server.page import landing_page
@@ -37,17 +35,7 @@ class SafeJSONResponse(JSONResponse):
     """JSON without NaN/Infinity (which strict parsers and browsers reject): they become null."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(_finite(content), separators=(",", ":")).encode("utf-8")
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
+        return dumps(content, separators=(",", ":")).encode("utf-8")
 
 
 def create_app(loop: ScrapeLoop) -> FastAPI:

@@ -24,7 +24,7 @@ from kvdiag.model import Diagnosis, PoolSample
 from kvdiag.server.ring import Ring
 from kvdiag.server.targets import Target
 from kvdiag.sources.scrape import Auth, ScrapeError, scrape
-from kvdiag.window import Window
+from kvdiag.window import Window, counter_step
 
 log = logging.getLogger("kvdiag.serve")
 
@@ -71,8 +71,9 @@ class InstanceState:
         seen = sample.evictions_total
         if seen is None:
             return
-        prev = self._evictions_seen
-        step = seen if prev is None or seen < prev else seen - prev  # a drop is a restart
+        step = counter_step(self._evictions_seen, seen)
+        if step is None:  # decreased without a restart: an impossible sample, not counted
+            return
         self.evictions_total = (self.evictions_total or 0.0) + step
         self._evictions_seen = seen
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
 from kvdiag.model import Scrape
+from kvdiag.report.json import dumps
 
 
 class RecordingError(ValueError):
@@ -29,7 +30,7 @@ class RecordingWriter:
 
     def write(self, scrape: Scrape) -> None:
         line = {"ts": scrape.ts, "target": scrape.target, "content_type": scrape.content_type, "body": scrape.body}
-        self._fh.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._fh.write(dumps(line, ensure_ascii=False) + "\n")
         self._fh.flush()
         self.count += 1
 
