@@ -43,10 +43,13 @@ class Config:
 
     window: float = _opt(300.0, "duration", "span the checks look back over, ending at the newest sample")
     saturated_usage: float = _opt(0.95, "ratio", "kv_usage_saturated: active KV usage counted as 'near 1'")
-    saturated_fraction: float = _opt(0.8, "ratio", "kv_usage_saturated: share of the window's samples at or above saturated_usage")
+    saturated_fraction: float = _opt(0.8, "ratio", "kv_usage_saturated (long window): share of the window's usage samples that, with the next admission's need, reach saturated_usage")
+    saturated_short_window: float = _opt(20.0, "duration", "kv_usage_saturated (short window): pinned at every sample of this span fires at once")
     high_usage: float = _opt(0.7, "ratio", "queue_without_kv_pressure: usage this high without being pinned is named in the evidence")
-    queue_growth_per_min: float = _opt(0.0, "number", "queue_growing: the waiting queue's robust slope must exceed this (requests/minute)")
-    backlog_ratio: float = _opt(1.0, "number", "queue_growing: a backlog of waiting >= backlog_ratio x running that is not draining also fires")
+    queue_short_window: float = _opt(60.0, "duration", "queue_growing (short window): the span the queue's rise is measured over")
+    queue_min_growth: float = _opt(5, "count", "queue_growing: the absolute floor, in requests, of a rise (and of a backlog) that means something")
+    queue_growth_ratio: float = _opt(0.05, "number", "queue_growing: a rise must also reach this share of the running batch")
+    backlog_ratio: float = _opt(1.0, "number", "queue_growing: a backlog of waiting >= backlog_ratio x running (and >= queue_min_growth) not draining over the short window also fires")
     min_samples: float = _opt(3, "count", "growth checks need at least this many samples in the window")
     min_evictions: float = _opt(1, "count", "evictions_growing: retract/preempt increase over the window that fires")
     ttft_slo: float = _opt(10.0, "duration", "ttft_p99_high: the TTFT SLO the quantile is compared with")
@@ -69,7 +72,7 @@ class Config:
             out[f.name] = format_value(v, f.metadata["kind"])
             if f.metadata["kind"] == "duration":
                 out[f.name + "_seconds"] = format_value(v, "number")
-        out["queue_growth_per_s"] = format_value(self.queue_growth_per_min / 60.0, "number")
+        out["saturated_quantile"] = format_value(1 - self.saturated_fraction, "number")
         return out
 
 

@@ -5,7 +5,8 @@
 set -euo pipefail
 dest=${1:-.cache/engine-src}
 py=${PYTHON:-.venv/bin/python}
-if [ -f "$dest/vllm/v1/core/block_pool.py" ] && [ -f "$dest/sglang/srt/mem_cache/radix_cache.py" ]; then
+if [ -f "$dest/vllm/v1/core/block_pool.py" ] && [ -f "$dest/sglang/srt/mem_cache/radix_cache.py" ] \
+  && [ -f "$dest/vllm/v1/metrics/loggers.py" ] && [ -f "$dest/sglang/srt/managers/scheduler_components/metrics_reporter.py" ]; then
   exit 0
 fi
 wheels=$(mktemp -d)
@@ -15,7 +16,11 @@ trap 'rm -rf "$wheels"' EXIT
 import sys, zipfile
 from pathlib import Path
 wheels, dest = Path(sys.argv[1]), Path(sys.argv[2])
-wanted = ("vllm/v1/core/", "sglang/srt/mem_cache/")
+wanted = ("vllm/v1/core/", "sglang/srt/mem_cache/",
+          # the engines' logging code for tests/logs (stats lines, retract warning, log format)
+          "vllm/v1/metrics/", "vllm/logger.py", "vllm/envs.py", "vllm/logging_utils/", "vllm/_version.py",
+          "vllm/entrypoints/common/startup.py", "sglang/srt/managers/scheduler.py",
+          "sglang/srt/managers/scheduler_components/", "sglang/srt/utils/common.py", "sglang/_version.py")
 for wheel in wheels.glob("*.whl"):
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(dest, [n for n in zf.namelist() if n.startswith(wanted)])
