@@ -12,9 +12,19 @@ Format facts it handles (see shared/facts/engine-metrics.md):
 - prometheus_client >= 0.23 answers a scraper that asks for OpenMetrics without an
   ``escaping=`` parameter with underscore-escaped sample names (``sglang_token_usage``) while
   the ``# TYPE`` lines keep the colon. A wanted ``a:b`` family therefore also matches ``a_b``.
+- Prometheus 3 negotiates ``escaping=`` (``underscores``, ``dots``, ``values``,
+  ``allow-utf-8``). prometheus_client 0.26 escapes OpenMetrics sample names with the label
+  character set (no colon): ``sglang_token_usage``, ``sglang__token__usage`` (dots, label names
+  ``tp__rank`` too), ``U__sglang_3a_token__usage`` (values); the text format and Go writers keep
+  the colon (``sglang:token__usage`` under dots). Every spelling of a wanted name is read.
+  UTF-8 names may be quoted inside the braces: ``{"sglang:num_running_reqs",tp_rank="0"} 3``.
 - Values may be ``NaN``/``+Inf``/``-Inf``; label values may hold escaped quotes, backslashes
   and newlines, commas, braces and ``#``; labels come in any order; multiprocess output lists
-  families in mmap-file order.
+  families in mmap-file order. A number beyond float range (``1e400``, a 401-digit integer)
+  is refused, as Go's ParseFloat refuses it, never read as infinity.
+- The text format's last line ends with a newline: a body that does not is cut, and refused.
+  Leading blanks on a line are ignored (the format says so; Prometheus skips them); a UTF-8
+  byte-order mark before the first line is dropped.
 """
 
 from __future__ import annotations
@@ -32,21 +42,25 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 SUFFIXES = ("_total", "_bucket", "_sum", "_count")
 
 _QUOTED = r'[^"\\\n]*(?:\\.[^"\\\n]*)*'  # a label value, escapes unrolled for speed
-_PAIR = r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"(' + _QUOTED + r')"[ \t]*'
-_PAIR_NC = r'[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"' + _QUOTED + r'"[ \t]*'
+# A label name is legacy (``tp_rank``) or quoted (``"gpu.id"``, Prometheus 3 UTF-8 names).
+_PAIR = r'[ \t]*(?:([a-zA-Z_][a-zA-Z0-9_]*)|"(' + _QUOTED + r')")[ \t]*=[ \t]*"(' + _QUOTED + r')"[ \t]*'
+_PAIR_NC = r'[ \t]*(?:[a-zA-Z_][a-zA-Z0-9_]*|"' + _QUOTED + r'")[ \t]*=[ \t]*"' + _QUOTED + r'"[ \t]*'
 _PAIR_RE = re.compile(_PAIR)
-# Everything after the name of a sample line; a wanted line that does not fit is "bad".
-_REST = (
-    r"(?:(?:\{(" + r"(?:" + _PAIR_NC + r",)*(?:" + _PAIR_NC + r")?" + r")\})?"  # labels
+_LABELS = r"(?:" + _PAIR_NC + r",)*(?:" + _PAIR_NC + r")?"
+_TAIL = (
     r"[ \t]+([^ \t#\n]+)"  # value
     r"(?:[ \t]+([^ \t#\n]+))?"  # timestamp
     r"[ \t]*(?:#[ \t]*(\{[^\n]*))?(?=\n|\Z)"  # exemplar
-    r"|([{ \t][^\n]*))"  # anything else: malformed
 )
+# Everything after the name of a sample line; a wanted line that does not fit is "bad".
+_REST = r"(?:(?:\{(" + _LABELS + r")\})?" + _TAIL + r"|([{ \t][^\n]*))"
+# The same after a quoted name inside the braces: ``{"name"`` then ``,labels}`` or ``}``.
+_QUOTED_REST = r'"[ \t]*(?:(?:,(' + _LABELS + r"))?\}" + _TAIL + r"|([^\n]*))"
 _NO_LABELS: dict[str, str] = {}
 _LABEL_CACHE_MAX = 200_000
 _ESCAPE_RE = re.compile(r"\\(.)")
 _ESCAPES = {"n": "\n", "\\": "\\", '"': '"'}
+_INFINITIES = (math.inf, -math.inf)
 
 
 class ExpositionError(ValueError):
@@ -102,8 +116,64 @@ class Exposition:
         return self.families.get(name)
 
 
-def _escaped(name: str) -> str:
-    return name.replace(":", "_")
+#: Escaping schemes, as Prometheus 3 negotiates them ("" = the name as written).
+SCHEMES = ("", "underscores", "dots", "values")
+
+
+def _legacy_rune(ch: str, i: int, colon: bool) -> bool:
+    return ch.isascii() and (ch.isalpha() or ch == "_" or (ch.isdigit() and i > 0) or (colon and ch == ":"))
+
+
+def _dots(name: str, colon: bool) -> str:
+    """prometheus/common's dots escaping (``_`` -> ``__``, ``.`` -> ``_dot_``, others -> ``__``)."""
+    out = []
+    for i, ch in enumerate(name):
+        out.append("__" if ch == "_" else "_dot_" if ch == "." else ch if _legacy_rune(ch, i, colon) else "__")
+    return "".join(out)
+
+
+def _values(name: str) -> str:
+    """prometheus_client's OpenMetrics value escaping of a sample name: ``U__``, ``_`` -> ``__``,
+    and every character outside the label set (the colon too) as ``_<hex code>_``."""
+    out = ["U__"]
+    for i, ch in enumerate(name):
+        out.append("__" if ch == "_" else ch if _legacy_rune(ch, i, False) else f"_{ord(ch):x}_")
+    return "".join(out)
+
+
+def spellings(name: str) -> dict[str, str]:
+    """Every way a writer may spell the sample or TYPE name ``name``, to its scheme.
+
+    Text writers and Go keep the colon; prometheus_client's OpenMetrics writer escapes sample
+    names with the label character set, so both forms of each scheme are listed.
+    """
+    out = {name: ""}
+    for spelling, scheme in (
+        (name.replace(":", "_"), "underscores"),
+        (_dots(name, colon=True), "dots"),
+        (_dots(name, colon=False), "dots"),
+        (_values(name), "values"),
+    ):
+        out.setdefault(spelling, scheme)
+    return out
+
+
+def sample_names(wanted: Iterable[str], suffixes: tuple[str, ...] = SUFFIXES + ("",)) -> dict[str, tuple[str, str, str]]:
+    """Every spelling of every sample name of the wanted families, to (family, suffix,
+    scheme). A name as written wins over an escaped spelling that happens to equal it."""
+    out: dict[str, tuple[str, str, str]] = {}
+    for pass_schemes in (("",), SCHEMES[1:]):
+        for fam in wanted:
+            for suffix in suffixes:
+                for spelling, scheme in spellings(fam + suffix).items():
+                    if scheme in pass_schemes:
+                        out.setdefault(spelling, (fam, suffix, scheme))
+    return out
+
+
+def _undots(name: str) -> str:
+    """A label name back from dots escaping (exact for the legacy names kvdiag reads)."""
+    return name.replace("_dot_", ".").replace("__", "_")
 
 
 class Reader:
@@ -112,27 +182,66 @@ class Reader:
     def __init__(self, wanted: Iterable[str], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self.wanted = sorted(set(wanted))
-        # Every spelling a sample or TYPE line of a wanted family may use, to its family.
-        spellings: dict[str, tuple[str, bool]] = {}
-        for fam in self.wanted:
-            spellings[fam] = (fam, False)
-            if ":" in fam:
-                spellings.setdefault(_escaped(fam), (fam, True))
-        # Every sample name, to (family, suffix, escaped); the bare name wins over a suffix.
-        self._resolve: dict[str, tuple[str, str, bool]] = {}
-        for suffix in SUFFIXES + ("",):
-            for spelling, (fam, esc) in spellings.items():
-                self._resolve[spelling + suffix] = (fam, suffix, esc)
-        names = _trie_pattern(list(spellings))
-        suffixes = "|".join(SUFFIXES)
-        self._line_re = re.compile(r"\n(" + names + r"(?:" + suffixes + r")?)(?=[{ \t])" + _REST)
+        # Every sample name (each suffix, each escaping scheme) to (family, suffix, scheme).
+        self._resolve = sample_names(self.wanted)
+        names = _trie_pattern(list(self._resolve))
+        # One pass finds both forms: ``name{labels} v`` (groups 1-6) and ``{"name",labels} v`` (7-12).
+        self._line_re = re.compile(
+            r"\n[ \t]*(?:(" + names + r")(?=[{ \t])" + _REST + r'|\{[ \t]*"(' + names + r")" + _QUOTED_REST + ")"
+        )
         # Label strings repeat from one scrape of a target to the next; parsing each once
         # makes the steady-state read of a fleet cheap. The dicts are shared: read-only.
         self._labels: dict[str, dict[str, str]] = {}
-        self._type_re = re.compile(r"\n# TYPE[ \t]+(" + names + r"(?:_total|_info)?)[ \t]+([a-z]+)[ \t]*(?=\n|$)")
+        self._types = sample_names(self.wanted, ("", "_total", "_info"))
+        type_names = _trie_pattern(list(self._types))
+        self._type_re = re.compile(r'\n[ \t]*#[ \t]*TYPE[ \t]+("?)(' + type_names + r')\1[ \t]+([a-z]+)[ \t]*(?=\n|$)')
 
     def read(self, body: bytes | str, content_type: str | None = None) -> Exposition:
         """Parse ``body`` and return the wanted families found in it."""
+        text = self._text(body)
+        openmetrics = _is_openmetrics(text, content_type)
+        if openmetrics:
+            _check_eof(text)
+        elif text and not text.endswith("\n"):
+            last = text.rfind("\n") + 1
+            raise ExpositionError("last line has no newline; the body looks truncated", lineno_at(text, last), text[last:])
+        scan = "\n" + text
+        families: dict[str, Family] = {}
+        types: dict[str, str] = {}
+        for m in self._type_re.finditer(scan):
+            types.setdefault(self._types[m.group(2)][0], m.group(3))
+        resolve = self._resolve
+        cache = self._labels
+        if len(cache) > _LABEL_CACHE_MAX:
+            cache.clear()
+        for m in self._line_re.finditer(scan):
+            groups = m.groups()
+            name, raw_labels, raw_value, raw_ts, exemplar, bad = groups[:6] if groups[0] is not None else groups[6:]
+            offset = m.start()  # the newline before the line in the scan: the line's offset in text
+            if bad is not None:
+                raise ExpositionError("malformed sample line", lineno_at(text, offset), _line(text, offset))
+            fam_name, suffix, scheme = resolve[name]
+            fam = families.get(fam_name)
+            if fam is None:
+                fam = families[fam_name] = Family(fam_name, types.get(fam_name), escaped=scheme != "")
+            if exemplar is not None and not openmetrics:
+                raise ExpositionError("exemplars are only allowed in OpenMetrics", lineno_at(text, offset), _line(text, offset))
+            if not raw_labels:
+                labels = _NO_LABELS
+            else:
+                key = raw_labels if scheme != "dots" else "\x00" + raw_labels
+                labels = cache.get(key)  # type: ignore[assignment]
+                if labels is None:
+                    labels = cache[key] = _labels(raw_labels, text, offset, scheme == "dots")
+            value = _parse_float(raw_value, text, offset)
+            timestamp = None if raw_ts is None else _timestamp(raw_ts, text, offset)
+            fam.samples.append(Sample(suffix, labels, value, timestamp, offset))
+        for fam in families.values():
+            _check_duplicates(fam, text)
+        return Exposition(families, openmetrics, len(text))
+
+    def _text(self, body: bytes | str) -> str:
+        """The body as text, under the size cap, without a byte-order mark."""
         if isinstance(body, bytes):
             if len(body) > self.max_bytes:
                 raise ExpositionError(f"body of {len(body)} bytes exceeds the {self.max_bytes}-byte cap")
@@ -144,47 +253,7 @@ class Reader:
             text = body
             if len(text) > self.max_bytes:
                 raise ExpositionError(f"body of {len(text)} characters exceeds the {self.max_bytes}-byte cap")
-        openmetrics = _is_openmetrics(text, content_type)
-        if openmetrics:
-            _check_eof(text)
-        scan = "\n" + text
-        families: dict[str, Family] = {}
-        types: dict[str, str] = {}
-        for m in self._type_re.finditer(scan):
-            types[m.group(1)] = m.group(2)
-        resolve = self._resolve
-        cache = self._labels
-        if len(cache) > _LABEL_CACHE_MAX:
-            cache.clear()
-        for m in self._line_re.finditer(scan):
-            name, raw_labels, raw_value, raw_ts, exemplar, bad = m.groups()
-            offset = m.start()  # the newline before the line in the scan: the line's offset in text
-            if bad is not None:
-                raise ExpositionError("malformed sample line", lineno_at(text, offset), m.group(0)[1:])
-            if m.end() == len(scan) and not openmetrics and not text.endswith("\n"):
-                raise ExpositionError("last line has no newline; the body looks truncated", lineno_at(text, offset), m.group(0)[1:])
-            fam_name, suffix, escaped = resolve[name]
-            fam = families.get(fam_name)
-            if fam is None:
-                fam = families[fam_name] = Family(fam_name, _family_type(fam_name, types), escaped=escaped)
-            if exemplar is not None and not openmetrics:
-                raise ExpositionError("exemplars are only allowed in OpenMetrics", lineno_at(text, offset), m.group(0)[1:])
-            labels = cache.get(raw_labels) if raw_labels else _NO_LABELS
-            if labels is None:
-                labels = cache[raw_labels] = _labels(raw_labels, text, offset)
-            value = _parse_float(raw_value, text, offset)
-            timestamp = None if raw_ts is None else _timestamp(raw_ts, text, offset)
-            fam.samples.append(Sample(suffix, labels, value, timestamp, offset))
-        for fam in families.values():
-            _check_duplicates(fam, text)
-        return Exposition(families, openmetrics, len(text))
-
-
-def _family_type(fam: str, types: dict[str, str]) -> str | None:
-    for spelling in (fam, fam + "_total", fam + "_info", _escaped(fam), _escaped(fam) + "_total"):
-        if spelling in types:
-            return types[spelling]
-    return None
+        return text[1:] if text.startswith("\ufeff") else text
 
 
 def _is_openmetrics(text: str, content_type: str | None) -> bool:
@@ -234,8 +303,11 @@ def _line(text: str, offset: int) -> str:
     return text[offset : end if end != -1 else len(text)]
 
 
-def _labels(raw: str, text: str, offset: int) -> dict[str, str]:
-    pairs = _PAIR_RE.findall(raw)
+def _labels(raw: str, text: str, offset: int, dots: bool = False) -> dict[str, str]:
+    """The label pairs of one sample; quoted names unescaped, dots-escaped names restored."""
+    pairs = [(name or _ESCAPE_RE.sub(_unescape, quoted), v) for name, quoted, v in _PAIR_RE.findall(raw)]
+    if dots:
+        pairs = [(_undots(k), v) for k, v in pairs]
     labels = dict(pairs)
     if len(labels) != len(pairs):
         raise ExpositionError("a label is given twice", lineno_at(text, offset), _line(text, offset))
@@ -256,12 +328,18 @@ def _unescape(m: re.Match[str]) -> str:
 
 
 def _parse_float(raw: str, text: str, offset: int) -> float:
-    """Go's ParseFloat, as Prometheus uses it: Python's float() less digit separators."""
-    if "_" not in raw:
+    """Go's ParseFloat, as Prometheus uses it: Python's float() less digit separators and
+    non-ASCII digits, and refusing a finite number beyond float range instead of rounding it
+    to infinity (Go's ErrRange; Prometheus fails the scrape)."""
+    if "_" not in raw and raw.isascii():
         try:
-            return float(raw)
+            v = float(raw)
         except ValueError:
             pass
+        else:
+            if v not in _INFINITIES or raw.lstrip("+-")[:1] in "iI":
+                return v
+            raise ExpositionError(f"value {raw[:40]!r}{'...' if len(raw) > 40 else ''} is beyond float range", lineno_at(text, offset), _line(text, offset))
     raise ExpositionError(f"value {raw!r} is not a number", lineno_at(text, offset), _line(text, offset))
 
 

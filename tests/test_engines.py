@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvdiag.engines import UnknownEngine, normalize_scrape
-from kvdiag.model import PoolSample, Scrape
+from kvdiag.model import HISTOGRAM_FIELDS, NUMERIC_FIELDS, PoolSample, Scrape
 from kvdiag.refpool.emit import SGLANG_DIALECTS, VLLM_DIALECTS, EngineState, render
+from tests.dialects import ESCAPINGS, reexpose
 
 T = "http://10.0.0.1:8000"
 
@@ -198,3 +199,18 @@ def test_server_wide_series_reach_every_data_parallel_instance(engine: str) -> N
         assert [s.prompt_tokens_total for s in got] == [600.0] * 4 and all(wide)
     else:  # vLLM labels every engine's counter
         assert [s.prompt_tokens_total for s in got] == [0.0, 100.0, 200.0, 300.0] and not any(wide)
+
+
+@pytest.mark.parametrize("openmetrics", [False, True], ids=["text", "openmetrics"])
+@pytest.mark.parametrize("escaping", ESCAPINGS)
+@pytest.mark.parametrize("fixture", ["sglang_fixture", "vllm_fixture"])
+def test_every_escaping_scheme_reads_the_same_numbers(fixture: str, escaping: str, openmetrics: bool, request: pytest.FixtureRequest) -> None:
+    text = request.getfixturevalue(fixture)
+    [want] = _samples(text)
+    body, content_type = reexpose(text, escaping, openmetrics)
+    if escaping in ("dots", "values") and openmetrics:
+        assert "sglang:token_usage{" not in body and "vllm:num_requests_running{" not in body  # really escaped
+    [got] = _samples(body, content_type)
+    for name in NUMERIC_FIELDS + HISTOGRAM_FIELDS + ("instance", "model", "labels"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert {k: p.metric for k, p in got.provenance.items()} == {k: p.metric for k, p in want.provenance.items()}

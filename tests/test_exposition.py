@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -246,3 +247,79 @@ def test_arbitrary_bytes_never_crash(data: bytes) -> None:
         READER.read(data)
     except ExpositionError:
         pass
+
+
+# --- what the reader refuses, and what it reads that a naive reader drops -----------------
+
+
+def test_a_text_body_cut_anywhere_but_a_line_end_is_refused_with_the_line(vllm_fixture: str) -> None:
+    # The reproduction: cut inside a TYPE line of a family kvdiag never builds samples for.
+    cut = vllm_fixture[: vllm_fixture.index("# TYPE vllm:num_preemptions_total") + 20]
+    with pytest.raises(ExpositionError, match="truncated") as err:
+        READER.read(cut)
+    assert err.value.line == "# TYPE vllm:num_pree" and err.value.lineno == cut.count("\n") + 1
+    for i in range(1, len(vllm_fixture), 997):
+        body = vllm_fixture[:i]
+        if body.endswith("\n"):
+            continue
+        with pytest.raises(ExpositionError, match="truncated"):
+            READER.read(body)
+
+
+def test_openmetrics_eof_with_or_without_the_final_newline() -> None:
+    reader = Reader(["m"])
+    for body in ("# TYPE m gauge\nm 1\n# EOF\n", "# TYPE m gauge\nm 1\n# EOF"):
+        assert reader.read(body, "application/openmetrics-text").families["m"].samples[0].value == 1.0
+        assert [f.name for f in text_string_to_metric_families(body.replace("# EOF", ""))]  # the text oracle reads it too
+
+
+def test_leading_blanks_bom_and_quoted_names_are_read() -> None:
+    reader = Reader(["sglang:num_running_reqs", "m"])
+    body = '\ufeffm 1\n  \tsglang:num_running_reqs{tp_rank="0"} 3\n{"m",a="x"} 2\n{ "sglang:num_running_reqs" , "gpu.id"="7" } 4\n'
+    for raw in (body, body.encode()):
+        expo = reader.read(raw)
+        assert [(s.labels, s.value) for s in expo.families["m"].samples] == [({}, 1.0), ({"a": "x"}, 2.0)]
+        assert [(s.labels, s.value) for s in expo.families["sglang:num_running_reqs"].samples] == [({"tp_rank": "0"}, 3.0), ({"gpu.id": "7"}, 4.0)]
+    # prometheus_client agrees on every line it reads (it refuses the BOM).
+    ref = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(body[1:]) for s in f.samples}
+    assert ref[("sglang:num_running_reqs", (("gpu.id", "7"),))] == 4.0 and ref[("m", (("a", "x"),))] == 2.0
+
+
+def test_quoted_type_line_types_the_family() -> None:
+    expo = Reader(["a:b"]).read('# TYPE "a:b" counter\n{"a:b_total"} 5\n')
+    fam = expo.families["a:b"]
+    assert fam.type == "counter" and [(s.suffix, s.value) for s in fam.samples] == [("_total", 5.0)]
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        ("1" + "0" * 400, "beyond float range"),
+        ("-1e400", "beyond float range"),
+        ("0x1p3", "not a number"),
+        ("\u0661\u0662", "not a number"),  # Arabic-Indic digits: float() reads 12, Go refuses
+    ],
+)
+def test_numbers_go_refuses_are_refused(raw: str, reason: str) -> None:
+    with pytest.raises(ExpositionError, match=reason) as err:
+        Reader(["m"]).read(f"m 1\nm{{a=\"b\"}} {raw}\n")
+    assert err.value.lineno == 2
+
+
+@pytest.mark.parametrize("raw, want", [("+Inf", math.inf), ("-Inf", -math.inf), ("inf", math.inf), ("Infinity", math.inf), ("4.9e-324", 5e-324), ("1e-400", 0.0)])
+def test_infinities_as_written_and_underflow_are_numbers(raw: str, want: float) -> None:
+    assert Reader(["m"]).read(f"m {raw}\n").families["m"].samples[0].value == want
+
+
+def test_an_exposition_opening_with_a_brace_is_not_a_recording(tmp_path, capsys: pytest.CaptureFixture[str], sglang_fixture: str) -> None:  # noqa: ANN001
+    import json
+
+    from kvdiag import cli
+
+    line = re.search(r"(?m)^sglang:num_running_reqs\{.*\n", sglang_fixture).group(0)  # type: ignore[union-attr]
+    body = line.replace("sglang:num_running_reqs{", '{"sglang:num_running_reqs",') + sglang_fixture.replace(line, "")
+    path = tmp_path / "quoted.prom"
+    path.write_text(body)
+    assert cli.main(["inspect", "--json", str(path)]) == 0
+    [inst] = json.loads(capsys.readouterr().out)["instances"]
+    assert inst["running"] == 48 and inst["engine"] == "sglang"

@@ -63,7 +63,7 @@ CASES = [
     (SGLANG_FIXTURE, "sglang:num_queue_reqs", "-3", "waiting"),
     (SGLANG_FIXTURE, "sglang:num_retracted_requests_total", "-5", "evictions_total"),
     (VLLM_FIXTURE, "vllm:prompt_tokens_total", "+Inf", "prompt_tokens_total"),
-    (VLLM_FIXTURE, "vllm:num_preemptions_total", "1e400", "evictions_total"),
+    (VLLM_FIXTURE, "vllm:num_preemptions_total", "-1", "evictions_total"),
     (VLLM_FIXTURE, "vllm:kv_cache_usage_perc", "+Inf", "usage_ratio"),
     (VLLM_FIXTURE, "vllm:prefix_cache_hits_total", "1e16", "prefix_hit_tokens_total"),
 ]

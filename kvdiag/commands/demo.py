@@ -8,8 +8,12 @@ and runs the checklist; the terminal shows the pool and the verdict as they move
 to L1: vLLM preempts and recomputes (``l1_kv_bottleneck``), SGLang's admission blocks on its
 output reserve without retracting (``l1_kv_pressure``). Then the full diagnosis with remedies.
 
-The engines run ``--speed`` times faster than the wall clock, so the exporter's window is the
-checklist's default window (5 minutes of the story) divided by the speed.
+The engines run ``--speed`` times faster than the wall clock. Everything the demo shows is in
+the story's own (simulated) time: the demo reads the exporter's window of each instance on the
+simulated clock of the engine it scraped (each scrape's wall time mapped to the simulated time
+the engine served it at) and runs the checklist over the default window, 5 minutes of the
+story. Rates are per simulated minute and the evidence says simulated seconds; the exporter's
+own page and API keep wall time (their window is the same 5 minutes divided by the speed).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from rich.console import Console, Group
 from rich.live import Live
-from rich.table import Table
+from rich.text import Text
 
+from kvdiag.checks import diagnose
 from kvdiag.config import Config
 from kvdiag.model import Diagnosis, PoolSample
 from kvdiag.refpool.emit import content_type
@@ -32,10 +38,13 @@ from kvdiag.refpool.scenarios import ENGINES, ScenarioRun, get
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.report.diagnosis import render as render_diagnoses
-from kvdiag.report.terminal import fmt, inspect_table
+from kvdiag.report.terminal import fmt, pool_bar
 from kvdiag.server.settings import ScrapeSettings, Settings
 from kvdiag.server.state import InstanceState
 from kvdiag.server.targets import make_target
+
+#: The checklist as the demo runs it: the default thresholds and window, in story time.
+STORY = Config()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,9 +59,36 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 SCENARIO = "l1-saturation"
 
 
-def _engine(sim: ScenarioRun) -> MetricsServer:
+class StoryClock:
+    """Wall time -> one engine's simulated time, from the (wall, simulated) pair taken each
+    time the engine served a scrape: a scrape stamped at wall time t saw the story at
+    ``story(t)``. Between pairs it interpolates; before the first and after the last it holds."""
+
+    def __init__(self, origin: float) -> None:
+        self.origin = origin  # the wall time the story started: simulated t=0 reads as this clock time
+        self._wall: list[float] = []
+        self._story: list[float] = []
+        self._lock = threading.Lock()
+
+    def mark(self, wall: float, story_seconds: float) -> None:
+        with self._lock:
+            if not self._wall or wall > self._wall[-1]:
+                self._wall.append(wall)
+                self._story.append(self.origin + story_seconds)
+
+    def story(self, wall: np.ndarray) -> np.ndarray:
+        with self._lock:
+            if not self._wall:
+                return np.asarray(wall, dtype=float)
+            return np.interp(wall, self._wall, self._story)
+
+
+def _engine(sim: ScenarioRun, clock: StoryClock) -> MetricsServer:
     def body(wants_om: bool) -> tuple[str, str]:
-        return sim.exposition(openmetrics=wants_om), content_type(wants_om)
+        story = sim.now  # before rendering: the exposition shows at least this much of the story
+        text = sim.exposition(openmetrics=wants_om)
+        clock.mark(time.time(), story)
+        return text, content_type(wants_om)
 
     return MetricsServer(body).start()
 
@@ -85,9 +121,9 @@ class Exporter:
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
 
-    def instances(self) -> list[InstanceState]:
-        """The exporter's instances that have reported."""
-        return [i for t in self.loop.snapshot() for i in list(t.instances.values()) if i.latest is not None]
+    def instances(self) -> list[tuple[str, InstanceState]]:
+        """(target URL, instance) for each of the exporter's instances that has reported."""
+        return [(t.url, i) for t in self.loop.snapshot() for i in list(t.instances.values()) if i.latest is not None]
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -97,60 +133,111 @@ class Exporter:
 
 @dataclass
 class Row:
-    """What the demo shows of one instance: the exporter's latest sample and answers."""
+    """What the demo shows of one instance, read from the exporter's window in story time:
+    the newest sample, the checklist's diagnosis, and the figures it gives."""
 
     sample: PoolSample
-    diagnosis: Diagnosis | None
-    evictions_per_min: float | None  # in story time
+    story_t: float  # simulated seconds since the story started
+    diagnosis: Diagnosis
+    evictions_per_min: float | None  # per simulated minute, over the window
     ttft_p99: float | None
     hit_ratio: float | None
+    l2_occupancy: float | None
 
     @classmethod
-    def of(cls, inst: InstanceState, config: Config, speed: float) -> "Row":
-        window = inst.window(config)
-        rate = window.rate("evictions_total") if window is not None else None
-        d = inst.diagnosis
-        hit = d.checks["prefix_hit_high"].evidence.values.get("hit_ratio") if d else None
-        return cls(inst.latest, d, None if rate is None else rate * 60 / speed, inst.ttft_p99, hit if isinstance(hit, float) else None)
+    def of(cls, inst: InstanceState, clock: StoryClock) -> "Row | None":
+        window = inst.ring.window(inst.key, clock=clock.story)
+        if window is None:
+            return None
+        window = window.since(window.end - STORY.window)
+        d = diagnose(window, STORY)
+        rate = window.rate("evictions_total")
+        return cls(
+            inst.latest, window.end - clock.origin, d, None if rate is None else rate * 60,
+            _value(d, "ttft_p99_high", "estimate_seconds"), _ratio(_value(d, "prefix_hit_high", "hit_ratio")),
+            _ratio(_value(d, "l2_underused", "l2_occupancy")),
+        )  # fmt: skip
 
     @property
     def verdict(self) -> str:
-        return self.diagnosis.verdict.name if self.diagnosis else "-"
+        return self.diagnosis.verdict.name
 
 
-def _line(sim_t: float, r: Row) -> str:
+def _value(d: Diagnosis, check: str, key: str) -> float | None:
+    """A figure of one check's evidence, or None where the check did not give it."""
+    c = d.checks.get(check)
+    v = c.evidence.values.get(key) if c is not None else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _ratio(v: float | None) -> float | None:
+    """A ratio only where it can be one: an impossible figure is shown as absent, not printed."""
+    return v if v is not None and 0.0 <= v <= 1.0 else None
+
+
+def _line(r: Row) -> str:
+    """One instance at one tick, on one line (``--no-live``: logs, CI, a pipe)."""
     s = r.sample
     return (
-        f"t={sim_t:6.0f}s {s.engine:6s} usage={fmt(s.usage_ratio, '.2f')} running={fmt(s.running)} "
+        f"t={r.story_t:5.0f}s {s.engine:6s} usage={fmt(s.usage_ratio, '.2f')} running={fmt(s.running)} "
         f"waiting={fmt(s.waiting)} evictions={fmt(s.evictions_total)} ({fmt(r.evictions_per_min, '.1f')}/min) "
-        f"p99_ttft={fmt(r.ttft_p99, '.1f')}s verdict={r.verdict}"
+        f"hit={fmt(r.hit_ratio, '.2f')} L2={fmt(r.l2_occupancy, '.2f')} p99_ttft={fmt(r.ttft_p99, '.1f')}s "
+        f"verdict={r.verdict}"
     )
 
 
-def _verdicts(rows: list[Row], speed: float) -> Table:
-    table = Table(title=f"verdict per instance (window: 5 minutes of the story = {300 / speed:g} s of wall time)")
-    for col in ("instance", "evictions/min", "P99 TTFT", "hit ratio", "verdict", "why"):
-        table.add_column(col)
-    for r in rows:
-        d = r.diagnosis
-        table.add_row(
-            r.sample.instance, fmt(r.evictions_per_min, ".1f"), f"{fmt(r.ttft_p99, '.1f')} s", fmt(r.hit_ratio, ".2f"),
-            r.verdict, d.verdict.reason if d else "waiting for a window",
+def _view(rows: list[Row], speed: float) -> Group:
+    """The live view: a block per instance that wraps at words, so that at 80 columns every
+    name (instance, model, verdict) is still whole."""
+    story = max((r.story_t for r in rows), default=0.0)
+    parts: list[Text] = [
+        Text(
+            f"story t={story:.0f}s (simulated, {speed:g}x the wall clock); checks over the last "
+            f"{STORY.window:g}s of the story; rates per simulated minute",
+            style="bold",
         )
-    return table
+    ]
+    for r in rows:
+        s, d = r.sample, r.diagnosis
+        parts.append(Text(""))
+        head = Text(f"{s.engine} ", style="bold")
+        head.append(f"{s.instance} ")
+        head.append(s.model or "", style="dim")
+        parts.append(head)
+        bar = pool_bar(s)
+        bar.append(f"  usage {fmt(s.usage_ratio, '.2f')} of {fmt(s.capacity_tokens)} tokens")
+        parts.append(bar)
+        parts.append(
+            Text(
+                f"running {fmt(s.running)}  waiting {fmt(s.waiting)}  evictions {fmt(r.evictions_per_min, '.1f')}/min  "
+                f"hit ratio {fmt(r.hit_ratio, '.2f')}  L2 {fmt(r.l2_occupancy, '.2f')}  P99 TTFT {fmt(r.ttft_p99, '.1f')} s"
+            )
+        )
+        verdict = Text("verdict ")
+        verdict.append(r.verdict, style="bold")
+        verdict.append(f"  {d.verdict.reason}", style="dim")
+        parts.append(verdict)
+    return Group(*parts)
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
     tune_gc()
     sims = [ScenarioRun(get(SCENARIO), engine) for engine in ENGINES]
-    engines = [_engine(sim) for sim in sims]
-    config = Config(window=Config().window / args.speed)
-    exporter = Exporter([f"{e.url}/metrics" for e in engines], args.interval, config)
-    console.print(", ".join(f"{sim.engine} {server.url}/metrics" for sim, server in zip(sims, engines)), highlight=False)
+    clocks = {}
+    engines = []
+    for sim in sims:
+        clock = StoryClock(time.time())
+        server = _engine(sim, clock)
+        clocks[f"{server.url}/metrics"] = clock
+        engines.append(server)
+    exporter = Exporter(list(clocks), args.interval, Config(window=STORY.window / args.speed))
+    # soft_wrap: a URL is never broken across lines, at any width
+    console.print(", ".join(f"{sim.engine} {server.url}/metrics" for sim, server in zip(sims, engines)), highlight=False, soft_wrap=True)
     console.print(
-        f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs"
-    )
+        f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
     rows: list[Row] = []
     stop = threading.Event()
     # the story starts once the exporter is up, so its healthy opening is seen
@@ -165,13 +252,12 @@ def run(args: argparse.Namespace) -> int:
             end = time.monotonic() + args.duration
             while time.monotonic() < end:
                 time.sleep(args.interval)
-                rows = [Row.of(i, config, args.speed) for i in exporter.instances()]
+                rows = [r for t, i in exporter.instances() if (r := Row.of(i, clocks[t])) is not None]
                 if live is not None:
-                    live.update(Group(inspect_table([r.sample for r in rows]), _verdicts(rows, args.speed)), refresh=True)
+                    live.update(_view(rows, args.speed), refresh=True)
                 else:
-                    now = min(sim.now for sim in sims)
                     for r in rows:
-                        console.print(_line(now, r), highlight=False)
+                        console.print(_line(r), highlight=False, soft_wrap=True)
     finally:
         stop.set()
         for driver in drivers:
@@ -179,5 +265,5 @@ def run(args: argparse.Namespace) -> int:
         exporter.stop()
         for server in engines:
             server.stop()
-    render_diagnoses(console, [r.diagnosis for r in rows if r.diagnosis is not None])
+    render_diagnoses(console, [r.diagnosis for r in rows])
     return 0

@@ -12,6 +12,7 @@ from rich.table import Table
 from kvdiag import config as cfg
 from kvdiag.checks import catalog
 from kvdiag.report.json import dumps
+from kvdiag.report.terminal import Fitted
 
 EXIT_ERROR = 3
 
@@ -39,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
         print(config_yaml(config), end="")
         return 0
     console = Console()
-    console.print(decision_table())
-    console.print(checks_table(config, args.promql))
-    console.print(findings_table())
-    console.print(thresholds_table(config, args.config))
+    console.print(Fitted(decision_table()))
+    console.print(Fitted(checks_table(config, args.promql)))
+    console.print(Fitted(findings_table()))
+    console.print(Fitted(thresholds_table(config, args.config)))
     if args.promql:
         for name, spec in catalog.VERDICTS.items():
             expr = catalog.verdict_expr(name, config)
@@ -54,10 +55,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Columns of names and short values: drawn whole at any width (``Fitted``), never cut.
+NAMES = frozenset({"S", "Q", "E", "verdict", "severity", "exit", "alert", "check", "finding", "needs a window", "key", "value", "default"})
+
+
 def decision_table() -> Table:
     t = Table(title="verdict decision table (S = kv_usage_saturated, Q = queue_growing, E = evictions_growing)")
     for col in ("S", "Q", "E", "verdict", "severity", "exit", "alert", "meaning"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in NAMES)
     mark = {True: "✔", False: "·"}
     for row in catalog.DECISION_TABLE:
         v = catalog.VERDICTS[row.verdict]
@@ -71,7 +76,7 @@ def decision_table() -> Table:
 def checks_table(config: cfg.Config, promql: bool) -> Table:
     t = Table(title="checks", show_lines=promql)
     for col in ("check", "signal", "fires when", "needs a window") + (("PromQL",) if promql else ()):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in NAMES)
     values = {k: v for k, v, _ in config.describe()}
     for c in catalog.CHECKS:
         row = [c.name, c.signal or "—", c.fires_when.format(**values), "yes" if c.growth else "no"]
@@ -84,7 +89,7 @@ def checks_table(config: cfg.Config, promql: bool) -> Table:
 def findings_table() -> Table:
     t = Table(title="findings (may accompany any verdict)")
     for col in ("finding", "severity", "alert", "when", "meaning"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in NAMES)
     for f in catalog.FINDINGS.values():
         when = " and ".join(f.all_of)
         if f.none_of:
@@ -99,7 +104,7 @@ def thresholds_table(config: cfg.Config, path: str | None) -> Table:
     defaults = {k: v for k, v, _ in cfg.Config().describe()}
     t = Table(title=f"thresholds in force ({path or 'defaults'}; --set overrides)")
     for col in ("key", "value", "default", "what it does"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in NAMES)
     for key, value, doc in config.describe():
         t.add_row(key, value, defaults[key] if defaults[key] != value else "", doc)
     return t

@@ -8,12 +8,11 @@ from typing import Iterable
 
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
 from kvdiag.engines import UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import PoolSample
-from kvdiag.report.terminal import inspect_table, provenance_table
+from kvdiag.report.terminal import Fitted, inspect_table, provenance_table
 from kvdiag.sources.inputs import read_inputs
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.recording import RecordingError
@@ -144,7 +143,7 @@ class _LiveTable:
     def __init__(self, latest: Latest) -> None:
         self.latest = latest
 
-    def __rich__(self) -> Table:
+    def __rich__(self) -> Fitted:
         return inspect_table(list(self.latest.samples.values()))
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdiag.model import Diagnosis
+from kvdiag.report.terminal import Fitted
 
 VERDICT_STYLE = {"critical": "bold white on red", "warning": "bold black on yellow", "info": "bold black on cyan", "none": "bold black on green"}
 STATUS_STYLE = {"firing": "bold red", "ok": "green", "unknown": "yellow"}
@@ -24,6 +25,7 @@ def render(console: Console, diagnoses: Iterable[Diagnosis]) -> None:
 def panel(d: Diagnosis) -> Panel:
     style = "bold white on magenta" if d.verdict.name == "unknown" else VERDICT_STYLE[d.verdict.severity]
     head = Text()
+    head.append(f"{d.engine} {d.model or ''}\n", style="dim")  # here, not in the title: a title is cut to one line
     head.append(f" {d.verdict.name} ", style=style)
     head.append(f"  {d.verdict.reason}")
     checks = Table(show_header=True, header_style="bold", expand=True, box=None)
@@ -35,7 +37,7 @@ def panel(d: Diagnosis) -> Panel:
         if c.status == "unknown" and c.hint:
             detail += f" [dim]({c.hint})[/dim]"
         checks.add_row(c.check, Text(c.status, style=STATUS_STYLE[c.status]), detail)
-    parts: list = [head, Text(""), checks]
+    parts: list = [head, Text(""), Fitted(checks)]
     if d.findings:
         parts.append(Text("\nfindings", style="bold"))
         parts.extend(Text(f"  • {f.name}: {f.text}") for f in d.findings)
@@ -44,8 +46,7 @@ def panel(d: Diagnosis) -> Panel:
         parts.extend(Text(f"  • {r}") for r in d.remedies)
     for note in d.notes:
         parts.append(Text(f"note: {note}", style="dim"))
-    title = f"{d.instance}  [dim]{d.engine} {d.model or ''}[/dim]"
-    return Panel(Group(*parts), title=title, subtitle=_span(d), title_align="left")
+    return Panel(Group(*parts), title=Text(d.instance), subtitle=_span(d), title_align="left")
 
 
 def _span(d: Diagnosis) -> str:

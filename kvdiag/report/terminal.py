@@ -1,8 +1,22 @@
-"""Terminal views of the pool (rich): the three-state bar and per-field provenance."""
+"""Terminal views of the pool (rich): the three-state bar, per-field provenance, and tables
+that fit the terminal they are drawn on.
+
+A name cut to "l1_kv_bottle…" or "KvdiagL1KVPo…" cannot be searched for, pasted into a query
+or matched against the runbook, and a narrow terminal (80 columns, or a pipe, where rich
+assumes 80) is where a newcomer first reads kvdiag. So a table is drawn by ``Fitted``: names
+(the columns marked ``no_wrap``) are never cut or wrapped; prose columns wrap at words; when
+that is not enough, the columns a table names as droppable go in the order it states (the
+caption says which); and past that each row is drawn as a record, one field per line.
+"""
 
 from __future__ import annotations
 
-from rich.table import Table
+import copy
+from typing import Iterator, Sequence
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
+from rich.table import Column, Table
 from rich.text import Text
 
 from kvdiag.model import PoolSample
@@ -44,10 +58,11 @@ def fmt(v: float | None, spec: str = ",.0f") -> str:
     return "—" if v is None else format(v, spec)
 
 
-def inspect_table(samples: list[PoolSample]) -> Table:
+def inspect_table(samples: list[PoolSample]) -> Fitted:
+    """The pool per instance; at a narrow width each instance becomes a record (``Fitted``)."""
     table = Table(title="KV pool per instance", show_lines=True, expand=False)
     for col in ("instance", "pool", "capacity", "usage", "running / waiting", "evictions", "prefix hit", "L2"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for s in samples:
         l2 = "—"
         if s.l2_capacity_tokens:
@@ -62,7 +77,7 @@ def inspect_table(samples: list[PoolSample]) -> Table:
             fmt(s.prefix_hit_ratio, ".2f"),
             l2,
         )
-    return table
+    return Fitted(table)
 
 
 def provenance_table(sample: PoolSample) -> Table:
@@ -75,3 +90,79 @@ def provenance_table(sample: PoolSample) -> Table:
         shown = f"{v:,.4g}" if isinstance(v, float) else ("histogram, %d obs" % v.count if v is not None and hasattr(v, "count") else str(v))
         table.add_row(name, shown, prov.describe())
     return table
+
+
+class Fitted:
+    """A table drawn to fit the width it gets (see the module docstring): as built when it
+    fits; else names at full width and prose wrapped at words; else without the ``drop``
+    columns, first to last, until it fits; else one record per row."""
+
+    def __init__(self, table: Table, drop: Sequence[str] = ()) -> None:
+        self.table = table
+        self.drop = tuple(drop)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        table, dropped = self.table, []
+        for header in (None, *self.drop):
+            if header is not None:
+                table = _without(table, header)
+                dropped.append(header)
+            fitted = _fit(console, options, table)
+            if fitted is not None:
+                if dropped:
+                    fitted.caption = f"not shown at {width} columns: {', '.join(dropped)} (a wider terminal shows them)"
+                yield fitted
+                return
+        yield from _records(self.table)
+
+
+def _fit(console: Console, options: ConsoleOptions, table: Table) -> Table | None:
+    """The table, or a copy sized so that it fits: no_wrap columns at their widest cell, the
+    other columns sharing the rest in proportion to their longest word; None when even that
+    is wider than the terminal."""
+    wide = options.update_width(10_000)
+    if Measurement.get(console, wide, table).maximum <= options.max_width:
+        return table
+    sized = _copy(table)
+    for col in sized.columns:
+        cells = [col.header, *col.cells]
+        if col.no_wrap:
+            col.width = max(Measurement.get(console, wide, c).maximum for c in cells)
+        else:
+            col.ratio = max(1, max(Measurement.get(console, wide, c).minimum for c in cells))
+            col.min_width = col.ratio  # counts in the minimum below; rich's flex split honours the ratio
+    if Measurement.get(console, wide, sized).minimum > options.max_width:
+        return None
+    for col in sized.columns:
+        col.min_width = None
+    sized.expand = True
+    return sized
+
+
+def _copy(table: Table) -> Table:
+    out = copy.copy(table)
+    out.columns = [copy.copy(c) for c in table.columns]
+    return out
+
+
+def _without(table: Table, header: str) -> Table:
+    out = _copy(table)
+    out.columns = [c for c in out.columns if c.header != header]
+    return out
+
+
+def _records(table: Table) -> Iterator[Table]:
+    """Each row as a two-column record (field, value): fits any terminal a name fits in."""
+    columns: list[Column] = table.columns
+    rows = list(zip(*(list(c.cells) for c in columns)))
+    for i, row in enumerate(rows):
+        record = Table.grid(padding=(0, 2))
+        record.add_column(style="bold", no_wrap=True)
+        record.add_column(overflow="fold")  # a token wider than the terminal (PromQL) folds, never "…"
+        if i == 0 and table.title:
+            record.title, record.title_justify = table.title, "left"
+        for col, cell in zip(columns, row):
+            record.add_row(str(col.header), cell)
+        yield record
+        yield Text("")

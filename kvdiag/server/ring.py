@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from threading import Lock
+from typing import Callable
 
 import numpy as np
 
@@ -112,15 +113,16 @@ class Ring:
             absent = np.full(len(rows), np.nan)
             return self.ts[rows], {n: self._columns[n][rows] if n in self._columns else absent for n in names}
 
-    def window(self, instance: str, since: float | None = None) -> Window | None:
+    def window(self, instance: str, since: float | None = None, clock: Callable[[np.ndarray], np.ndarray] | None = None) -> Window | None:
         """The rows from ``since`` on as a columnar Window for the checks (no PoolSample per
-        row); identity, provenance and notes come from the newest scrape's own sample."""
+        row); identity, provenance and notes come from the newest scrape's own sample.
+        ``clock`` maps the scrape times onto another time base (the demo's simulated time)."""
         with self.lock:
             latest = self.latest
             if latest is None:
                 return None
             rows = self._rows(since)
-            ts = self.ts[rows]
+            ts = self.ts[rows] if clock is None else clock(self.ts[rows])
             columns = {name: col[rows] for name, col in self._columns.items()}
             hists = {}
             for name, hcol in self._hists.items():

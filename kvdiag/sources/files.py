@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -10,11 +11,16 @@ from kvdiag.model import Scrape
 from kvdiag.sources.recording import read_recording
 
 
+#: A recording line opens with one of its keys; an exposition may open with ``{`` too (the
+#: quoted-name form ``{"sglang:num_running_reqs"} 3``), but never with ``{"key":``.
+_RECORDING_HEAD = re.compile(rb'\{\s*"(?:ts|target|content_type|body)"\s*:')
+
+
 def is_recording(path: str | Path) -> bool:
-    """Recordings are gzip'd (or plain) JSON Lines; expositions are text starting otherwise."""
+    """Recordings are gzip'd (or plain) JSON Lines; expositions are text."""
     with open(path, "rb") as fh:
-        head = fh.read(2)
-    return head == b"\x1f\x8b" or head[:1] == b"{"
+        head = fh.read(64)
+    return head[:2] == b"\x1f\x8b" or _RECORDING_HEAD.match(head) is not None
 
 
 def read_exposition_file(path: str | Path) -> Scrape:
