@@ -84,6 +84,12 @@ class _Anything:
 
 
 class _StubModule(types.ModuleType):
+    """A package whose every name is an ``_Anything`` class, made on first use."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []  # a package: its submodules are stubs as well
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -92,7 +98,15 @@ class _StubModule(types.ModuleType):
         return value
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _StubLoader(importlib.abc.Loader):
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return _StubModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing runs: the stub's names appear as they are asked for."""
+
+
+class _Finder(importlib.abc.MetaPathFinder):
     """``real`` modules of ``package`` from ``root``; a stub for every other one."""
 
     def __init__(self, package: str, root: str, real: tuple[str, ...]) -> None:
@@ -101,21 +115,13 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname.split(".")[0] != self.package:
             return None
-        if fullname in self.real:
-            base = self.root / fullname.replace(".", "/")
-            if (base / "__init__.py").exists():
-                return importlib.util.spec_from_file_location(fullname, base / "__init__.py",
-                                                              submodule_search_locations=[str(base)])
-            return importlib.util.spec_from_file_location(fullname, f"{base}.py")
-        return importlib.util.spec_from_loader(fullname, self, is_package=True)
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
+        if fullname not in self.real:
+            return importlib.util.spec_from_loader(fullname, _StubLoader(), is_package=True)
+        base = self.root / fullname.replace(".", "/")
+        if (base / "__init__.py").exists():
+            return importlib.util.spec_from_file_location(fullname, base / "__init__.py",
+                                                          submodule_search_locations=[str(base)])
+        return importlib.util.spec_from_file_location(fullname, f"{base}.py")
 
 
 class Clock:
