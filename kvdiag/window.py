@@ -154,6 +154,7 @@ class Window:
         self._frame: pd.DataFrame | None = None
         self._columns: dict[str, np.ndarray] = {}
         self._hists: dict[str, HistogramColumns | None] = {}
+        self._valid: dict[str, np.ndarray] = {}  # columns with impossible counter samples absent
 
     @classmethod
     def from_columns(
@@ -177,6 +178,7 @@ class Window:
         w._last = last
         w._frame = None
         w._columns = {"ts": np.asarray(ts, dtype=float), **columns}
+        w._valid = {}
         w._hists = dict(histograms)
         return w
 
@@ -244,7 +246,8 @@ class Window:
     def invalid_samples(self, name: str) -> int:
         """Samples of a counter (or of a histogram's count) that decreased without a restart."""
         if name in COUNTER_FIELDS:
-            vals = self.points(name)[1]
+            reported = self._reported(name)
+            vals = reported[~np.isnan(reported)]
         elif name in HISTOGRAM_FIELDS:
             built = self._histograms(name)
             vals = built[4] if built is not None else np.empty(0)
@@ -263,7 +266,25 @@ class Window:
         return self._frame
 
     def column(self, name: str) -> np.ndarray:
-        """One field over the window as floats; absent values are NaN."""
+        """One field over the window as floats; absent values are NaN.
+
+        A counter's impossible samples (``counter_valid``: a decrease that is no restart) are
+        absent here too, so no statistic over the window ever counts one as a reset.
+        """
+        col = self._valid.get(name)
+        if col is None:
+            col = self._reported(name)
+            if name in COUNTER_FIELDS:
+                present = ~np.isnan(col)
+                keep = counter_valid(col[present])
+                if not keep.all():
+                    col = col.copy()
+                    col[np.flatnonzero(present)[~keep]] = np.nan
+            self._valid[name] = col
+        return col
+
+    def _reported(self, name: str) -> np.ndarray:
+        """One field as the samples reported it (impossible values included)."""
         col = self._columns.get(name)
         if col is None:
             if self._samples is None:
