@@ -15,6 +15,7 @@ A bad key or value is refused with the file, line and key at fault, never ignore
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -23,6 +24,9 @@ from typing import Any, Iterable
 import yaml
 
 SECTION = "checks"
+#: Deepest nesting a config may have (kvdiag's own goes 4 levels deep); deeper is refused
+#: before PyYAML's recursive composer can exhaust the stack.
+MAX_DEPTH = 16
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -84,11 +88,15 @@ def parse_duration(raw: Any) -> float:
     if isinstance(raw, bool):
         raise ValueError(f"{raw!r} is not a duration")
     if isinstance(raw, (int, float)):
-        return float(raw)
-    m = _DURATION_RE.match(str(raw))
-    if not m:
-        raise ValueError(f"{raw!r} is not a duration (e.g. 300, 90s, 5m, 1h)")
-    return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        seconds = float(raw)
+    else:
+        m = _DURATION_RE.match(str(raw))
+        if not m:
+            raise ValueError(f"{raw!r} is not a duration (e.g. 300, 90s, 5m, 1h)")
+        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    if not math.isfinite(seconds):
+        raise ValueError(f"{raw!r} is not a finite duration")
+    return seconds
 
 
 def prom_duration(seconds: float) -> str:
@@ -123,8 +131,8 @@ def parse_value(key: str, raw: Any) -> float:
         v = float(raw)
     except ValueError:
         raise ValueError(f"{raw!r} is not a number") from None
-    if v != v:
-        raise ValueError("NaN is not allowed")
+    if not math.isfinite(v):
+        raise ValueError(f"{raw!r} is not a finite number")
     if kind == "ratio" and not 0.0 <= v <= 1.0:
         raise ValueError(f"{v:g} is not a ratio between 0 and 1")
     if kind == "count" and (v < 0 or v != int(v)):
@@ -152,21 +160,14 @@ def load(path: str | Path) -> Config:
     """Read the ``checks:`` section of a YAML file (other top-level sections belong to other
     commands and are left to them)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    root = read_yaml(path)
     if root is None:
         return Config()
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{path}:{root.start_mark.line + 1}: the file must be a mapping with a '{SECTION}:' section")
     for key_node, _ in root.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: keys must be plain names")
         if key_node.value in KEYS:
             raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {key_node.value!r} belongs under '{SECTION}:'")
     section = next((v for k, v in root.value if k.value == SECTION), None)
@@ -177,6 +178,8 @@ def load(path: str | Path) -> Config:
     data: dict[str, Any] = {}
     where: dict[str, str] = {}
     for key_node, value_node in section.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: keys must be plain names")
         key = key_node.value
         if key in data:
             raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {SECTION}.{key} is given twice")
@@ -185,6 +188,43 @@ def load(path: str | Path) -> Config:
             raise ConfigError(f"{where[key]}: {SECTION}.{key}: expected a single value")
         data[key] = yaml.safe_load(yaml.serialize(value_node))
     return from_mapping(data, where)
+
+
+def read_yaml(path: Path) -> yaml.Node | None:
+    """The file's YAML node tree; ConfigError (file and line) for an unreadable file, bytes
+    that are not UTF-8, YAML that does not parse, or nesting deeper than MAX_DEPTH."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    deep = _too_deep(text)
+    if deep is not None:
+        raise ConfigError(f"{path}:{deep}: nested more than {MAX_DEPTH} levels deep")
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+
+
+def _too_deep(text: str) -> int | None:
+    """The line where the YAML first nests past MAX_DEPTH (by scanning its events, which is
+    iterative, where composing is recursive); None when it does not, or does not parse."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    return event.start_mark.line + 1
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        return None  # compose reports it, with its line
+    return None
 
 
 def with_overrides(config: Config, assignments: Iterable[str]) -> Config:

@@ -29,11 +29,13 @@ from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.files import read_path
 from kvdiag.sources.prometheus import PrometheusError, read_window
 from kvdiag.sources.recording import RecordingError, read_recording
-from kvdiag.sources.scrape import ScrapeError, scrape
+from kvdiag.sources.scrape import ScrapeError, redact, scrape
 from kvdiag.window import windows
 
 EXIT_ERROR = 3
 FOLLOW_EVERY_S = 5.0  # log seconds between re-diagnoses while following
+#: A URL that fails this many first scrapes (never answering) is given up on and reported.
+GIVE_UP_AFTER = 2
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--step", metavar="DURATION", help="query_range step (default: about 720 points over --since)")
     p.add_argument("--interval", default="5s", metavar="DURATION", help="seconds between scrapes of engine URLs (default 5s)")
     p.add_argument("--duration", default="60s", metavar="DURATION", help="how long to sample engine URLs (default 60s)")
-    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per request (s)")
+    p.add_argument("--timeout", default="10s", metavar="DURATION", help="deadline of each scrape, connect to last byte (default 10s)")
     p.add_argument("--engine", default="auto", choices=("auto", "sglang", "vllm"), help="expect this engine (default: detect)")
     p.add_argument("--config", metavar="YAML", help="thresholds file (its 'checks:' section)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
@@ -136,7 +138,7 @@ def collect(args: argparse.Namespace) -> Collected | None:
             cfg.parse_duration(args.since),
             cfg.parse_duration(args.step) if args.step else None,
             engine=args.engine,
-            timeout=max(args.timeout, 30.0),
+            timeout=max(cfg.parse_duration(args.timeout), 30.0),
         )
         out.samples.extend(res.samples)
         out.problems.update(res.problems)
@@ -178,21 +180,38 @@ def follow(out: Collected, config: cfg.Config, args: argparse.Namespace) -> None
 
 
 def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> None:
-    """Scrape each URL every --interval for --duration (at least once), with a progress bar."""
+    """Scrape each URL every --interval for --duration (at least once), with a progress bar
+    that counts failed scrapes. A URL that fails its first GIVE_UP_AFTER scrapes without ever
+    answering is reported at once (one line, its reason) and no longer sampled; when no URL is
+    left, sampling stops there instead of waiting out --duration."""
     interval, duration = cfg.parse_duration(args.interval), cfg.parse_duration(args.duration)
     if interval <= 0:
         raise ValueError("--interval must be > 0")
+    timeout = cfg.parse_duration(args.timeout)
+    if timeout <= 0:
+        raise ValueError("--timeout must be > 0")
     rounds = int(duration // interval) + 1
     start = time.monotonic()
+    failures: dict[str, int] = {}
+    active = list(urls)
+    label = f"sampling {len(urls)} engine(s) every {interval:g}s"
     with Progress(disable=args.no_progress or args.json, transient=True) as progress:
-        task = progress.add_task(f"sampling {len(urls)} engine(s) every {interval:g}s", total=rounds)
+        task = progress.add_task(label, total=rounds)
         for i in range(rounds):
-            for url in urls:
+            for url in list(active):
                 try:
-                    out.add(scrape(url, timeout=args.timeout), args.engine)
+                    out.add(scrape(url, timeout=timeout), args.engine)
+                    continue
                 except ScrapeError as exc:
                     out.problems.setdefault(url, str(exc))
-            progress.advance(task)
+                failures[url] = failures.get(url, 0) + 1
+                if url not in out.answered and failures[url] >= GIVE_UP_AFTER:
+                    active.remove(url)
+                    print(f"kvdiag diagnose: giving up on {redact(url)} after {failures[url]} failed scrapes: {out.problems[url]}", file=sys.stderr)
+            failed = sum(failures.values())
+            progress.update(task, advance=1, description=label + (f" · {failed} failed scrape(s)" if failed else ""))
+            if not active:
+                break
             if i + 1 < rounds:
                 time.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
 

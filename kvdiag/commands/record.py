@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from kvdiag.config import parse_duration
+
 from rich.progress import Progress
 
 from kvdiag.sources.recording import RecordingWriter
@@ -17,33 +19,43 @@ EXIT_ERROR = 3
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("record", help="scrape engines periodically into a .jsonl.gz recording")
     p.add_argument("targets", nargs="+", metavar="URL")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes (default 5)")
-    p.add_argument("--duration", type=float, default=300.0, help="seconds to record (default 300)")
-    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per scrape (s)")
+    p.add_argument("--interval", default="5s", metavar="DURATION", help="time between scrapes (default 5s)")
+    p.add_argument("--duration", default="300s", metavar="DURATION", help="how long to record (default 300s)")
+    p.add_argument("--timeout", default="10s", metavar="DURATION", help="deadline of each scrape, connect to last byte (default 10s)")
     p.add_argument("--out", required=True, metavar="FILE.jsonl.gz")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interval <= 0 or args.duration < 0:
-        print("kvdiag record: --interval must be > 0 and --duration >= 0", file=sys.stderr)
+    try:
+        interval, duration, timeout = (parse_duration(getattr(args, k)) for k in ("interval", "duration", "timeout"))
+    except ValueError as exc:
+        print(f"kvdiag record: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    rounds = max(1, int(args.duration // args.interval) + 1)
+    if interval <= 0 or duration < 0 or timeout <= 0:
+        print("kvdiag record: --interval and --timeout must be > 0 and --duration >= 0", file=sys.stderr)
+        return EXIT_ERROR
+    rounds = max(1, int(duration // interval) + 1)
     failures = 0
     start = time.monotonic()
-    with RecordingWriter(args.out) as writer, Progress(disable=args.no_progress, transient=True) as progress:
+    try:
+        writer = RecordingWriter(args.out)
+    except OSError as exc:
+        print(f"kvdiag record: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    with writer, Progress(disable=args.no_progress, transient=True) as progress:
         task = progress.add_task(f"recording {len(args.targets)} target(s)", total=rounds)
         for i in range(rounds):
             for target in args.targets:
                 try:
-                    writer.write(scrape(target, timeout=args.timeout))
+                    writer.write(scrape(target, timeout=timeout))
                 except ScrapeError as exc:
                     failures += 1
                     print(f"kvdiag record: {exc}", file=sys.stderr)
             progress.advance(task)
             if i + 1 < rounds:
-                time.sleep(max(0.0, start + (i + 1) * args.interval - time.monotonic()))
+                time.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
         written = writer.count
     print(f"wrote {written} scrape(s) to {args.out}" + (f"; {failures} failed" if failures else ""), file=sys.stderr)
     return 0 if written else EXIT_ERROR

@@ -1,19 +1,23 @@
 """``kvdiag serve``: the exporter beside a serving cluster (FastAPI on uvicorn).
 
 The config file (``--config``) holds everything; the flags cover the common case without one
-and override the file. A config that cannot run is refused before anything listens.
+and override the file. A config that cannot run is refused before anything listens, and the
+listening socket is bound before the scrape loop starts or anything says "started": a busy
+port is one error line and exit 3. Listening beyond loopback without an API token is allowed
+(Prometheus must reach /metrics) but said loudly, since /api/v1 then answers anyone.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from dataclasses import replace
 
 from kvdiag.config import ConfigError, parse_duration, with_overrides
 from kvdiag.server import settings as serve_settings
-from kvdiag.server.settings import DEFAULT_HOST, DEFAULT_PORT, Settings, check_timing, parse_listen
+from kvdiag.server.settings import DEFAULT_HOST, DEFAULT_PORT, Settings, check_timing, is_loopback, parse_listen
 from kvdiag.server.targets import Shard, TargetsError, make_target
 
 EXIT_ERROR = 3
@@ -65,17 +69,50 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"kvdiag serve: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        print(f"kvdiag serve: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
     import uvicorn  # the exporter's own dependencies load only when it runs
 
     from kvdiag.server.app import create_app
     from kvdiag.server.loop import ScrapeLoop
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not settings.targets and not settings.file_sd and settings.probe.empty:
-        logging.getLogger("kvdiag.serve").warning("no targets, no file_sd and no probe allowlist: nothing to scrape")
+    log = logging.getLogger("kvdiag.serve")
+    if not is_loopback(settings.host) and settings.api_token is None:
+        log.warning(
+            "listening on %s, beyond loopback, WITHOUT an API token: anyone who can reach port %d reads /api/v1 "
+            "(targets, errors, evidence); set api_bearer_token_file in the config",
+            settings.host,
+            settings.port,
+        )
+    if not settings.targets and not settings.file_sd and settings.probe.allowlist.empty:
+        log.warning("no targets, no file_sd and no probe allowlist: nothing to scrape")
     loop = ScrapeLoop(settings).start()
     try:
-        uvicorn.run(create_app(loop), host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+        config = uvicorn.Config(create_app(loop), log_level=args.log_level, access_log=False)
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
+        pass
     finally:
         loop.stop()
+        sock.close()
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (OSError when the port is taken or the address is not
+    this machine's), so that nothing is announced before it is certain to work."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

@@ -3,18 +3,27 @@
 ``/metrics`` and ``/probe`` are for Prometheus and stay open (like every exporter); the JSON
 API under ``/api/v1/`` carries evidence and remedies and takes a bearer token when one is
 configured. ``/probe`` follows the multi-target exporter pattern: Prometheus discovers the
-engines and passes each as ``?target=``; kvdiag fetches only what the allowlist permits.
+engines and passes each as ``?target=``; kvdiag fetches only what the allowlist permits, on
+probe workers of its own (the endpoint is async and only awaits them), so probes never take
+the threads that answer /healthz, /metrics and the API. Each target is rendered on its own:
+one whose data kvdiag cannot render is answered as that target's error, the others as usual.
+The OpenAPI docs (/docs) are served with Swagger UI's files from the installed
+``swagger-ui-bundle`` package, so they work without Internet access.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
-from typing import Any
+from typing import Any, Callable
 
+import swagger_ui_bundle
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
@@ -22,13 +31,16 @@ from kvdiag import __version__, checks
 from kvdiag.commands.inspect import sample_json
 from kvdiag.config import Config
 from kvdiag.engines import ADAPTERS
-from kvdiag.model import NUMERIC_FIELDS
-from kvdiag.report.json import dumps, report_json
+from kvdiag.model import NUMERIC_FIELDS, Diagnosis
+from kvdiag.report.json import diagnosis_json, dumps
 from kvdiag.server.collector import ExporterCollector
-from kvdiag.server.loop import ScrapeLoop
+from kvdiag.server.loop import ProbeBusy, ScrapeLoop
 from kvdiag.server.page import landing_page
-from kvdiag.server.probe import ProbeRefused
-from kvdiag.server.state import TargetState, fresh_instances
+from kvdiag.server.probe import ProbeInvalid, ProbeRefused
+from kvdiag.server.state import TargetState, fresh_instances, internal_error
+
+#: Where the Swagger UI files are served from (the installed package's copy, not a CDN).
+DOCS_ASSETS = "/docs-assets"
 
 
 class SafeJSONResponse(JSONResponse):
@@ -47,7 +59,21 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         description="Is the GPU KV pool (L1) what caps concurrency and drives P99 TTFT? "
         "Verdicts with evidence for every scraped SGLang / vLLM instance.",
         default_response_class=SafeJSONResponse,
+        docs_url=None,
+        redoc_url=None,
     )
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="kvdiag API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
+
     bearer = HTTPBearer(auto_error=False, description="the api_bearer_token of the kvdiag config")
 
     def authorized(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
@@ -74,14 +100,21 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         return exposition(metrics_registry, request)
 
     @app.get("/probe", response_class=Response, summary="scrape one allowlisted target now and return its kvdiag_* series")
-    def probe(request: Request, target: str = Query(..., description="engine URL or host:port"), engine: str = Query("auto", description="auto, sglang or vllm")) -> Response:
+    async def probe(request: Request, target: str = Query(..., description="engine URL or host:port"), engine: str = Query("auto", description="auto, sglang or vllm")) -> Response:
         if engine != "auto" and engine not in ADAPTERS:
             raise HTTPException(400, f"engine must be auto or one of {', '.join(sorted(ADAPTERS))}")
         try:
-            url = settings.probe.check(target)
+            future = loop.submit_probe(target, engine)
+        except ProbeBusy as exc:
+            raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
+        try:
+            state = await asyncio.wait_for(asyncio.wrap_future(future), timeout=loop.probe_deadline + 1.0)
+        except ProbeInvalid as exc:
+            raise HTTPException(400, f"bad target: {exc}") from None
         except ProbeRefused as exc:
             raise HTTPException(403, f"target refused: {exc}") from None
-        state = loop.probe(url, engine)
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"the probe did not finish within {loop.probe_deadline:g}s") from None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(ExporterCollector(lambda: [state], settings.checks, build_info=False))
         return exposition(registry, request)
@@ -92,19 +125,26 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         out: list[dict] = []
         for source, states in (("config", loop.snapshot()), ("probe", loop.snapshot(probes=True))):
             for state in states:
-                out.extend(_instance_rows(state, source, settings.checks, now))
+                out.extend(contained(state, lambda st: _instance_rows(st, source, settings.checks, now), lambda reason: [_error_row(state, source, reason)]))
         return {"instances": out, "window_seconds": settings.checks.window, "interval_seconds": settings.scrape.interval}
 
     @app.get("/api/v1/verdicts", dependencies=[Depends(authorized)], summary="the `kvdiag diagnose --json` report for every instance (configured and probed)")
     def verdicts() -> dict:
         now = time.time()
-        diagnoses = []
+        diagnoses: list[Diagnosis] = []
+        rendered: list[dict] = []
         for state in loop.snapshot() + loop.snapshot(probes=True):
-            fresh = fresh_instances(state, settings.checks, now)
-            diagnoses += [i.diagnosis for i in fresh if i.diagnosis is not None]
-            if not fresh and state.failure is not None:
-                diagnoses.append(state.failure)
-        return report_json(diagnoses, checks.exit_code(diagnoses))
+            def render(st: TargetState) -> list[tuple[Diagnosis, dict]]:
+                return [(d, diagnosis_json(d)) for d in _diagnoses(st, settings.checks, now)]
+
+            def failed(reason: str) -> list[tuple[Diagnosis, dict]]:
+                d = checks.undiagnosable(state.url, reason, now)
+                return [(d, diagnosis_json(d))]
+
+            for d, row in contained(state, render, failed):
+                diagnoses.append(d)
+                rendered.append(row)
+        return {"instances": rendered, "exit_code": checks.exit_code(diagnoses)}
 
     @app.get("/api/v1/instances/{instance:path}/series", dependencies=[Depends(authorized)], summary="one instance's window: every normalized field per scrape")
     def series(instance: str, fields: str | None = Query(None, description="comma-separated PoolSample fields (default: all)")) -> dict:
@@ -125,7 +165,7 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         raise HTTPException(404, f"no instance {instance!r}")
 
     @app.get("/healthz", summary="200 while the scrape loop runs")
-    def healthz() -> JSONResponse:
+    async def healthz() -> JSONResponse:  # async: answered on the event loop, never queued behind work
         ok = loop.alive
         return SafeJSONResponse({"status": "ok" if ok else "scrape loop stopped"}, status_code=200 if ok else 503)
 
@@ -137,9 +177,26 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
     return app
 
 
-def _instance_rows(state: TargetState, source: str, config: Config, now: float) -> list[dict]:
-    """The API rows of one target: one per fresh instance, or one for the target itself."""
-    base = {
+def contained(state: TargetState, render: Callable[[TargetState], list], failed: Callable[[str], list]) -> list:
+    """``render(state)``, or ``failed(reason)`` when rendering this one target raises: one
+    target's data that kvdiag cannot render answers as that target's error, not a 500."""
+    try:
+        return render(state)
+    except Exception as exc:
+        return failed(internal_error(state, "rendering the API answer", exc))
+
+
+def _diagnoses(state: TargetState, config: Config, now: float) -> list[Diagnosis]:
+    """The target's current answers: its fresh instances', else why it has none."""
+    fresh = fresh_instances(state, config, now)
+    found = [i.diagnosis for i in fresh if i.diagnosis is not None]
+    if not fresh and state.failure is not None:
+        found.append(state.failure)
+    return found
+
+
+def _base_row(state: TargetState, source: str) -> dict:
+    return {
         "target": state.url,
         "source": source,
         "labels": state.target.label_dict,
@@ -148,6 +205,15 @@ def _instance_rows(state: TargetState, source: str, config: Config, now: float) 
         "last_scrape": state.last_scrape,
         "scrape_duration_seconds": state.duration,
     }
+
+
+def _error_row(state: TargetState, source: str, reason: str) -> dict:
+    return {**_base_row(state, source), "up": False, "error": reason, "instance": state.url, "verdict": "unknown", "severity": "warning", "reason": reason, "latest": None}
+
+
+def _instance_rows(state: TargetState, source: str, config: Config, now: float) -> list[dict]:
+    """The API rows of one target: one per fresh instance, or one for the target itself."""
+    base = _base_row(state, source)
     fresh = fresh_instances(state, config, now)
     if not fresh:
         if state.last_scrape is None:

@@ -7,7 +7,8 @@ ratios 0-1. Instantaneous figures come from the newest sample and appear only wh
 target is up; figures computed over the window (verdict, checks, hit ratio, P99, ceiling) are
 refreshed by the background loop after scrapes, not at /metrics time, as their HELP says.
 Every per-instance series carries ``instance``, ``engine``, ``model`` and the target's extra
-labels.
+labels. Each target is rendered on its own: one whose data cannot be rendered shows
+``kvdiag_up 0`` and the ``unknown`` verdict (the API says why), and the others are unaffected.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from prometheus_client.registry import Collector
 from kvdiag import __version__
 from kvdiag.checks.catalog import CHECKS, VERDICTS
 from kvdiag.config import Config
-from kvdiag.server.state import InstanceState, TargetState, fresh_instances
+from kvdiag.server.state import InstanceState, TargetState, fresh_instances, internal_error
 
 #: (name, type, help) of every kvdiag family, in exposition order.
 FAMILIES = (
@@ -56,12 +57,19 @@ class ExporterCollector(Collector):
         fams = {name: Metric(name, doc, kind) for name, kind, doc in FAMILIES}
         now = time.time()
         for state in self.source():
-            instances = fresh_instances(state, self.config, now)
-            if instances:
-                for inst in instances:
-                    _instance(fams, state, inst)
-            else:
-                _unreached(fams, state)
+            mark = {name: len(f.samples) for name, f in fams.items()}
+            try:
+                instances = fresh_instances(state, self.config, now)
+                if instances:
+                    for inst in instances:
+                        _instance(fams, state, inst)
+                else:
+                    _unreached(fams, state)
+            except Exception as exc:
+                internal_error(state, "rendering /metrics", exc)
+                for name, f in fams.items():
+                    del f.samples[mark[name] :]
+                _unreached(fams, state, force=True)
         yield from fams.values()
         if self.build_info:
             info = Metric("kvdiag_build", "kvdiag's version, as labels; the value is 1.", "info")
@@ -108,9 +116,10 @@ def _instance(fams: dict[str, Metric], state: TargetState, inst: InstanceState) 
     _verdict(fams, labels, diagnosis.verdict.name)
 
 
-def _unreached(fams: dict[str, Metric], state: TargetState) -> None:
-    """A target with no instance in the window: down (or never an engine), verdict unknown."""
-    if state.last_scrape is None:
+def _unreached(fams: dict[str, Metric], state: TargetState, force: bool = False) -> None:
+    """A target with no instance in the window (down, or never an engine) or one that cannot
+    be rendered (``force``): up 0, verdict unknown."""
+    if state.last_scrape is None and not force:
         return  # not scraped yet: no answer rather than a false "down"
     labels = _labels(state, state.url, "", None)
     _put(fams, "kvdiag_up", labels, 0)

@@ -5,9 +5,12 @@ One scheduler thread keeps a heap of due times and hands due targets to a fixed 
 GIL is released there. Each target is due at the same phase of every interval (a stable hash
 of its URL spreads the fleet evenly over the interval, as Prometheus spreads its scrapes), so
 samples are evenly spaced and load is smooth. A target whose previous scrape is still running
-is skipped, not queued: a hung target holds at most one worker until its timeout, and everyone
-else keeps their schedule. ``/probe`` targets live in a separate, size-bounded table with
-their own windows, scraped when Prometheus asks.
+is skipped, not queued: a hung target holds at most one worker until its deadline (the whole
+scrape, connect to last byte, see ``kvdiag.sources.scrape``), and everyone else keeps their
+schedule. ``/probe`` targets live in a separate, size-bounded table with their own windows,
+scraped when Prometheus asks, on a worker pool of their own (``probe.concurrency``): a flood
+of probes of a target that never answers fills that pool and is turned away (503), and never
+reaches the scrape workers or the threads that serve /healthz, /metrics and the API.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
+from urllib.parse import urlsplit
 
 from kvdiag import checks
 from kvdiag.server.settings import Settings
@@ -64,6 +68,10 @@ def options(settings: Settings) -> ScrapeOptions:
     )
 
 
+class ProbeBusy(RuntimeError):
+    """Every probe worker is taken: the caller is told to come back (HTTP 503)."""
+
+
 class ScrapeLoop:
     """Configured targets scraped in the background, plus on-demand probe targets."""
 
@@ -75,7 +83,8 @@ class ScrapeLoop:
     ) -> None:
         self.settings = settings
         self.opts = options(settings)
-        self.probe_opts = replace(self.opts, evaluate_every=0.0)
+        # probes: evaluated on every probe, no scrape.auth, every redirect hop vetted
+        self.probe_opts = replace(self.opts, evaluate_every=0.0, auth=None, vet=settings.probe.allowlist.addresses)
         self.diagnose = diagnose
         self.undiagnosable = undiagnosable
         self.targets: dict[str, TargetState] = {}
@@ -87,6 +96,8 @@ class ScrapeLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(settings.scrape.concurrency, thread_name_prefix="kvdiag-scrape")
+        self._probe_pool = ThreadPoolExecutor(settings.probe.concurrency, thread_name_prefix="kvdiag-probe")
+        self._probe_slots = threading.BoundedSemaphore(settings.probe.concurrency)
         self._thread = threading.Thread(target=self._run, name="kvdiag-scheduler", daemon=True)
         self._next_sd = 0.0
         self.refresh_targets()
@@ -107,7 +118,7 @@ class ScrapeLoop:
         interval = self.settings.scrape.interval
         with self._lock:
             for url in set(self.targets) - set(wanted):
-                self.targets.pop(url).session.close()
+                del self.targets[url]
             for url, target in wanted.items():
                 state = self.targets.get(url)
                 if state is None:
@@ -144,9 +155,7 @@ class ScrapeLoop:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            for state in list(self.targets.values()) + list(self.probes.values()):
-                state.session.close()
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         interval = self.settings.scrape.interval
@@ -180,27 +189,54 @@ class ScrapeLoop:
 
     # --- /probe --------------------------------------------------------------------------
 
-    def probe(self, url: str, engine: str = "auto") -> TargetState:
-        """Scrape ``url`` now (the caller has checked the allowlist) and return its state.
+    @property
+    def probe_deadline(self) -> float:
+        """Seconds a probe may take in all: waiting for an earlier probe of the same URL,
+        then its own scrape."""
+        return 2 * self.opts.timeout
+
+    def submit_probe(self, target: str, engine: str = "auto") -> "Future[TargetState]":
+        """Check and scrape ``target`` on a probe worker; ProbeBusy when every worker is taken.
+        The future raises ProbeInvalid / ProbeRefused for a target the allowlist refuses (the
+        check resolves names, so it runs on the worker too, never on the caller's thread)."""
+        if not self._probe_slots.acquire(blocking=False):
+            raise ProbeBusy(f"all {self.settings.probe.concurrency} probe workers are busy (probe.concurrency)")
+        try:
+            future = self._probe_pool.submit(self.probe, target, engine)
+        except RuntimeError:  # shut down
+            self._probe_slots.release()
+            raise ProbeBusy("the exporter is stopping") from None
+        future.add_done_callback(lambda _: self._probe_slots.release())
+        return future
+
+    def probe(self, target: str, engine: str = "auto") -> TargetState:
+        """Check ``target`` against the allowlist, scrape it now and return its state.
 
         Each probed URL keeps its own window, evaluated on every probe since each probe is a
-        Prometheus scrape; probes of the same URL are serialized. Probes never follow
-        redirects: a redirect would lead past the allowlist.
+        Prometheus scrape; probes of the same URL take turns, and one that cannot get its
+        turn within the scrape timeout returns the state as the previous probe left it.
+        Credentials go only to hosts a ``probe.auth`` entry names; every redirect hop is
+        vetted by the allowlist like the target itself.
         """
+        url = self.settings.probe.allowlist.check(target)
         now = time.time()
         with self._lock:
             state = self.probes.get(url)
             if state is None:
                 state = self.probes[url] = TargetState(Target(url))
-                state.session.max_redirects = 0
             self.probes.move_to_end(url)
             while self.probes:
                 oldest = next(iter(self.probes.values()))
                 stale = oldest.last_scrape is not None and now - oldest.last_scrape > self.settings.checks.window
                 if len(self.probes) <= MAX_PROBES and not stale:
                     break
-                self.probes.popitem(last=False)[1].session.close()
-        with state.lock:
+                self.probes.popitem(last=False)
+        if not state.lock.acquire(timeout=self.opts.timeout):
+            return state
+        try:
             state.engine = engine
-            scrape_into(state, self.probe_opts, self.diagnose, self.undiagnosable)
+            opts = replace(self.probe_opts, auth=self.settings.probe.auth_for(urlsplit(url).hostname or ""))
+            scrape_into(state, opts, self.diagnose, self.undiagnosable)
+        finally:
+            state.lock.release()
         return state

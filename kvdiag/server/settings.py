@@ -21,6 +21,9 @@ The file holds the exporter's sections beside the checklist's ``checks:`` sectio
       hosts: [engine-0.internal]
       cidrs: [10.0.0.0/16]
       regex: 'https?://vllm-[0-9]+\\.svc:8000(/metrics)?'
+      concurrency: 16
+      auth:                      # sent only to probed hosts an entry names
+        - {hosts: [engine-0.internal], bearer_token_file: /etc/kvdiag/engine-token}
     checks:
       window: 5m
 
@@ -30,22 +33,26 @@ exporter that silently ignores a misspelt ``targets`` scrapes nothing and says n
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import ipaddress
 import yaml
 
 from kvdiag import config as checks_config
 from kvdiag.config import Config, ConfigError, parse_duration
 from kvdiag.exposition import DEFAULT_MAX_BYTES
-from kvdiag.server.probe import Allowlist
+from kvdiag.server.probe import Allowlist, host_matches
 from kvdiag.server.targets import Shard, Target, make_target
 from kvdiag.sources.scrape import Auth
 
 #: Not in the 9100-9999 exporter range, which Prometheus' port-allocation wiki lists as full.
 DEFAULT_PORT = 10877
 DEFAULT_HOST = "127.0.0.1"
+#: Scrape or probe workers: each is a thread; beyond this a config is a typo, not a plan.
+MAX_CONCURRENCY = 4096
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,30 @@ class ScrapeSettings:
 
 
 @dataclass(frozen=True)
+class ProbeCredentials:
+    """Credentials sent to the probed hosts that match ``hosts`` (names or ``*.suffix``)."""
+
+    hosts: frozenset[str]
+    auth: Auth
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What ``/probe`` may fetch, how many probes run at once (each on its own worker, never
+    on the threads that serve /healthz, /metrics or the API), and the credentials it may send:
+    none, unless an ``auth`` entry names the probed host (``scrape.auth`` is never used, as a
+    probe target is whatever the caller asks for)."""
+
+    allowlist: Allowlist = field(default_factory=Allowlist)
+    concurrency: int = 16
+    credentials: tuple[ProbeCredentials, ...] = ()
+
+    def auth_for(self, host: str) -> Auth | None:
+        host = host.lower().rstrip(".")
+        return next((c.auth for c in self.credentials if host_matches(host, c.hosts)), None)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything ``kvdiag serve`` runs with."""
 
@@ -78,16 +109,41 @@ class Settings:
     scrape: ScrapeSettings = ScrapeSettings()
     targets: tuple[Target, ...] = ()
     file_sd: tuple[Path, ...] = ()
-    probe: Allowlist = field(default_factory=Allowlist)
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
     checks: Config = Config()
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``:PORT`` (loopback) or ``[v6]:PORT``."""
+    """``HOST:PORT``, ``:PORT`` (loopback) or ``[v6]:PORT``; ValueError for anything else."""
+    usage = f"listen {text!r}: expected HOST:PORT or [IPv6]:PORT, e.g. {DEFAULT_HOST}:{DEFAULT_PORT}"
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:{DEFAULT_PORT}")
-    return (host.strip("[]") or DEFAULT_HOST), int(port)
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(usage)
+    if host.startswith("[") or host.endswith("]") or ":" in host:
+        if not (host.startswith("[") and host.endswith("]")):
+            raise ValueError(usage)
+        try:
+            if ipaddress.ip_address(host[1:-1]).version != 6:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{usage} ({host} is not an IPv6 address)") from None
+        return host[1:-1], int(port)
+    if host and not _HOSTNAME_RE.fullmatch(host):
+        raise ValueError(f"{usage} ({host!r} is not a host name or address)")
+    return (host or DEFAULT_HOST), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """A listen address only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_HOSTNAME_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
 
 
 def _secret(section: dict[str, Any], key: str, base: Path) -> str | None:
@@ -113,6 +169,8 @@ def _auth(data: Any, base: Path) -> Auth:
             raise FieldError(("basic",), "basic needs a username")
         basic = (str(b["username"]), _at(("basic",), _secret, b, "password", base) or "")
     ca = data.get("ca_file")
+    if ca is not None and not (base / str(ca)).is_file():
+        raise FieldError(("ca_file",), f"{base / str(ca)}: no such file")
     return Auth(
         basic=basic,
         bearer=_secret(data, "bearer_token", base),
@@ -131,7 +189,7 @@ def _scrape(data: Any, base: Path) -> ScrapeSettings:
     s = ScrapeSettings(
         interval=number("interval", parse_duration, 5.0),
         timeout=timeout,
-        concurrency=int(number("concurrency", _int, 64)),
+        concurrency=_at(("concurrency",), _bounded, int(number("concurrency", _int, 64)), "concurrency", MAX_CONCURRENCY),
         max_bytes=int(number("max_body_bytes", _int, DEFAULT_MAX_BYTES)),
         evaluate_every=number("evaluate_every", parse_duration, 15.0),
         auth=_at(("auth",), _auth, data["auth"], base) if data.get("auth") is not None else None,
@@ -161,11 +219,24 @@ def _targets(data: Any) -> tuple[Target, ...]:
     return tuple(out)
 
 
-def _probe(data: Any) -> Allowlist:
-    data = _mapping(data, {"hosts", "cidrs", "regex"})
+def _probe(data: Any, base: Path) -> ProbeSettings:
+    data = _mapping(data, {"hosts", "cidrs", "regex", "concurrency", "auth"})
     hosts = _at(("hosts",), _strings, data.get("hosts"))
     cidrs = _at(("cidrs",), _strings, data.get("cidrs"))
-    return _at(("cidrs",) if cidrs else (), Allowlist.build, hosts, cidrs, data.get("regex"))
+    allowlist = _at(("cidrs",) if cidrs else (), Allowlist.build, hosts, cidrs, data.get("regex"))
+    concurrency = _at(("concurrency",), lambda v: _bounded(int(_positive(_int(v), "concurrency")), "concurrency", MAX_CONCURRENCY), data.get("concurrency", 16))
+    entries = data.get("auth") or []
+    if not isinstance(entries, list):
+        raise FieldError(("auth",), "expected a list of {hosts: [...], <credentials>} entries")
+    credentials = tuple(_at(("auth", i), _probe_credentials, entry, base) for i, entry in enumerate(entries))
+    return ProbeSettings(allowlist, concurrency, credentials)
+
+
+def _probe_credentials(entry: Any, base: Path) -> ProbeCredentials:
+    if not isinstance(entry, dict) or not entry.get("hosts"):
+        raise ValueError("each probe.auth entry names the hosts it is for: {hosts: [...], bearer_token_file: ...}")
+    hosts = _at(("hosts",), _strings, entry["hosts"])
+    return ProbeCredentials(frozenset(h.lower().rstrip(".") for h in hosts), _auth({k: v for k, v in entry.items() if k != "hosts"}, base))
 
 
 #: Top-level keys: how each is read into Settings (``checks`` is kvdiag.config's).
@@ -177,7 +248,7 @@ _SECTIONS: dict[str, Callable[[Settings, Any, Path], Settings]] = {
     "scrape": lambda s, v, b: replace(s, scrape=_scrape(v, b)),
     "targets": lambda s, v, b: replace(s, targets=_targets(v)),
     "file_sd": lambda s, v, b: replace(s, file_sd=tuple(b / p for p in _strings(v))),
-    "probe": lambda s, v, b: replace(s, probe=_probe(v)),
+    "probe": lambda s, v, b: replace(s, probe=_probe(v, b)),
 }
 
 
@@ -188,7 +259,7 @@ def load(path: str | Path) -> Settings:
     """
     path = Path(path)
     settings = Settings(checks=checks_config.load(path))  # reads and checks `checks:` itself
-    root = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    root = checks_config.read_yaml(path)
     if root is None:
         return settings
     if not isinstance(root, yaml.MappingNode):
@@ -285,6 +356,12 @@ def _int(v: Any) -> int:
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"{v!r} is not true or false")
+    return v
+
+
+def _bounded(v: int, what: str, most: int) -> int:
+    if v > most:
+        raise ValueError(f"{what} {v} is more than {most}")
     return v
 
 

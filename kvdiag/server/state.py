@@ -1,8 +1,10 @@
 """One target's state and one scrape of it: fetch, normalize, keep, evaluate (no scheduling).
 
 Everything a scrape can go wrong with (timeout, HTTP error, a body over the cap, a body that
-does not parse, a server that is no engine) ends in this target's state as ``up = False`` and
-a reason; nothing propagates to other targets. A restarted engine is seen as counters that
+does not parse, a server that is no engine, and a bug of kvdiag's own at any stage: reading,
+normalizing, checking) ends in this target's state as ``up = False`` or an ``unknown``
+verdict, with the reason; nothing propagates to other targets, and an unexpected error's
+traceback is logged once per target and kind, not on every scrape. A restarted engine is seen as counters that
 dropped: the window's increases are reset-safe, and the exported eviction counter adds the
 post-restart value instead of going backwards (what Prometheus' ``increase()`` assumes).
 """
@@ -11,11 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from threading import Lock
 from typing import Callable
-
-import requests
 
 from kvdiag.config import Config
 from kvdiag.engines import TooManyInstances, UnknownEngine, normalize_scrape
@@ -23,7 +23,7 @@ from kvdiag.exposition import ExpositionError
 from kvdiag.model import Diagnosis, PoolSample
 from kvdiag.server.ring import Ring
 from kvdiag.server.targets import Target
-from kvdiag.sources.scrape import Auth, ScrapeError, scrape
+from kvdiag.sources.scrape import MAX_REDIRECTS, Auth, ScrapeError, Vet, scrape
 from kvdiag.window import Window, counter_step
 
 log = logging.getLogger("kvdiag.serve")
@@ -48,6 +48,8 @@ class ScrapeOptions:
     config: Config  # the checks' thresholds and window
     capacity: int  # ring rows per instance
     evaluate_every: float  # seconds between two evaluations of one instance
+    redirects: int = MAX_REDIRECTS
+    vet: Vet | None = None  # /probe: the allowlist vets every hop and pins its addresses
 
 
 @dataclass
@@ -90,7 +92,6 @@ class TargetState:
 
     target: Target
     engine: str = "auto"
-    session: requests.Session = field(default_factory=requests.Session)
     up: bool = False
     error: str | None = None
     duration: float | None = None  # seconds the last scrape took
@@ -100,6 +101,7 @@ class TargetState:
     instances: dict[str, InstanceState] = field(default_factory=dict)
     busy: bool = False  # a scrape is in flight (at most one per target)
     lock: Lock = field(default_factory=Lock)
+    logged: set[str] = field(default_factory=set)  # unexpected errors whose traceback was logged
 
     @property
     def url(self) -> str:
@@ -109,15 +111,17 @@ class TargetState:
 def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, undiagnosable: Undiagnosable) -> None:
     """Scrape one target once and update its state; never raises for a target's fault."""
     start, started_at = time.monotonic(), time.time()
+    auth = opts.auth
+    if state.target.basic is not None:
+        auth = replace(auth or Auth(), basic=state.target.basic)
     try:
-        got = scrape(state.url, opts.timeout, opts.max_bytes, session=state.session, auth=opts.auth)
+        got = scrape(state.url, opts.timeout, opts.max_bytes, auth=auth, redirects=opts.redirects, vet=opts.vet)
         samples = normalize_scrape(got, state.engine, MAX_INSTANCES_PER_TARGET)
     except (ScrapeError, ExpositionError, UnknownEngine, TooManyInstances) as exc:
         _fail(state, str(exc), start, started_at, undiagnosable)
         return
-    except Exception as exc:  # a bug in kvdiag must not stop the loop; say so loudly
-        log.exception("scrape of %s failed unexpectedly", state.url)
-        _fail(state, f"internal error: {type(exc).__name__}: {exc}", start, started_at, undiagnosable)
+    except Exception as exc:  # a bug in kvdiag must not stop the loop; say so, once
+        _fail(state, internal_error(state, "reading the scrape", exc), start, started_at, undiagnosable)
         return
     state.duration, state.last_scrape = time.monotonic() - start, started_at
     state.up, state.error, state.failure, state.last_success = True, None, None, got.ts
@@ -129,13 +133,14 @@ def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, und
         inst.ingest(sample)
         seen.add(sample.instance)
         if got.ts - inst.evaluated_at >= opts.evaluate_every:
-            evaluate(inst, opts.config, diagnose)
+            evaluate(state, inst, opts.config, diagnose, undiagnosable)
     for gone in set(state.instances) - seen:  # e.g. a restart with fewer data-parallel ranks
         del state.instances[gone]
 
 
-def evaluate(inst: InstanceState, config: Config, diagnose: Diagnose) -> None:
-    """Run the checks on the instance's window; a failing check keeps the previous answer."""
+def evaluate(state: TargetState, inst: InstanceState, config: Config, diagnose: Diagnose, undiagnosable: Undiagnosable) -> None:
+    """Run the checks on the instance's window; a check that fails makes the instance
+    ``unknown`` with the reason (not a stale verdict that looks current)."""
     window = inst.window(config)
     if window is None:
         return
@@ -143,16 +148,31 @@ def evaluate(inst: InstanceState, config: Config, diagnose: Diagnose) -> None:
         inst.diagnosis = diagnose(window, config)
         q = window.quantile(P99, "ttft", window.end - config.window)
         inst.ttft_p99 = q.value if q is not None else None
-    except Exception:
-        log.exception("checks failed on %s", inst.key)
+    except Exception as exc:
+        inst.diagnosis = undiagnosable(inst.key, internal_error(state, "running the checks", exc), window.end)
+        inst.ttft_p99 = None
     inst.evaluated_at = window.end
 
 
+def internal_error(state: TargetState, stage: str, exc: BaseException) -> str:
+    """The reason shown for a bug of kvdiag's own at ``stage`` of one target; its traceback is
+    logged the first time this target meets this kind of error, a one-line debug after."""
+    reason = f"internal error {stage}: {type(exc).__name__}: {exc}"
+    key = f"{stage}:{type(exc).__name__}"
+    if key in state.logged:
+        log.debug("%s: %s", state.url, reason)
+    else:
+        state.logged.add(key)
+        log.error("%s: %s (traceback logged once per target and kind)", state.url, reason, exc_info=exc)
+    return reason
+
+
 def _fail(state: TargetState, reason: str, start: float, started_at: float, undiagnosable: Undiagnosable) -> None:
+    changed = reason != state.error
     state.duration, state.last_scrape = time.monotonic() - start, started_at
     state.up, state.error = False, reason
     state.failure = undiagnosable(state.url, reason, started_at)
-    log.info("scrape of %s failed: %s", state.url, reason)
+    log.log(logging.INFO if changed else logging.DEBUG, "scrape of %s failed: %s", state.url, reason)
 
 
 def fresh_instances(state: TargetState, config: Config, now: float) -> list[InstanceState]:

@@ -17,8 +17,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+from urllib.parse import urlsplit
 
 import yaml
+
+from kvdiag.sources.scrape import split_userinfo
 
 
 #: Labels kvdiag's own series carry; a target's extra labels may not reuse them.
@@ -32,10 +35,13 @@ class TargetsError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """One engine endpoint and the extra labels it is published with."""
+    """One engine endpoint and the extra labels it is published with. Credentials written
+    in the URL (``http://user:pass@host``) are kept apart in ``basic``, so the URL that names
+    the target in labels, the API and logs never carries them."""
 
     url: str
     labels: tuple[tuple[str, str], ...] = ()
+    basic: tuple[str, str] | None = field(default=None, repr=False)
 
     @property
     def label_dict(self) -> dict[str, str]:
@@ -83,7 +89,24 @@ def make_target(url: Any, labels: Any, where: str) -> Target:
             raise TargetsError(f"{where}{name!r} is not a valid Prometheus label name")
         if name in RESERVED_LABELS:
             raise TargetsError(f"{where}label {name!r} is set by kvdiag itself; pick another name")
-    return Target(url.strip(), tuple(sorted((str(k), str(v)) for k, v in labels.items())))
+    clean, basic = split_userinfo(url.strip())
+    check_url(clean, where)
+    return Target(clean, tuple(sorted((str(k), str(v)) for k, v in labels.items())), basic)
+
+
+def check_url(url: str, where: str = "") -> None:
+    """Refuse what can never be scraped: another scheme, no host, a port outside 1-65535."""
+    try:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        port = parts.port
+    except ValueError as exc:
+        raise TargetsError(f"{where}{url!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise TargetsError(f"{where}{url!r}: only http:// and https:// targets can be scraped")
+    if not parts.hostname:
+        raise TargetsError(f"{where}{url!r} has no host")
+    if port == 0:
+        raise TargetsError(f"{where}{url!r}: port 0 cannot be scraped")
 
 
 def parse_file_sd(data: Any, where: str) -> list[Target]:

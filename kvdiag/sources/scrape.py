@@ -1,17 +1,36 @@
-"""Live scrapes over HTTP, as a Prometheus server would make them.
+"""Live scrapes over HTTP, as a Prometheus server would make them, under one deadline.
 
 The Accept header is the one Prometheus 2.x sends, so an engine answers kvdiag exactly as it
 answers the operator's Prometheus (OpenMetrics, with underscore-escaped names from
-prometheus_client >= 0.23). Bodies are read in chunks up to a size cap, and every request
-has a timeout: a huge or hung target costs bounded memory and time.
+prometheus_client >= 0.23).
+
+One deadline bounds the whole scrape: connect, TLS handshake, request, status line, headers,
+body and every redirect together. A per-read timeout (what requests and urllib3 offer) is not
+enough: a target that sends one byte a second never lets a read time out, and held a scrape
+for 19 s against a 4 s timeout. Here every socket operation is given only what is left of the
+deadline (``settimeout(remaining)`` before each ``recv``; CPython's connect, ``sendall`` and
+TLS handshake are each bounded by the timeout they start with), so no target can stretch it.
+Name resolution (``getaddrinfo``) is the one step no socket timeout reaches; callers that
+must not depend on DNS pass the addresses to connect to (``vet``).
+
+Bodies are capped in size (after decompression, so a gzip bomb is a refusal, not an
+allocation). Credentials in a URL (``http://user:pass@host``) are taken out of it before
+anything else happens: they become basic auth, and only the redacted URL is ever named in a
+Scrape, an error or a log line.
 """
 
 from __future__ import annotations
 
+import base64
+import http.client
+import io
+import socket
+import ssl
 import time
-from dataclasses import dataclass
-
-import requests
+import zlib
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+from urllib.parse import SplitResult, urljoin, urlsplit, urlunsplit
 
 from kvdiag.exposition import DEFAULT_MAX_BYTES
 from kvdiag.model import Scrape
@@ -21,13 +40,22 @@ ACCEPT = (
     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
 USER_AGENT = "kvdiag"
+#: Redirects followed for a configured target (SGLang and older vLLM mount their metrics app at
+#: ``/metrics/``, so ``/metrics`` answers 307). Prometheus follows redirects by default too.
+MAX_REDIRECTS = 5
+CHUNK = 65536
+
+#: Given a URL about to be fetched (the target, or where a redirect points), the addresses to
+#: connect to; raises ValueError / PermissionError with the reason when the URL may not be
+#: fetched. /probe passes its allowlist, so redirects are vetted and DNS answers pinned.
+Vet = Callable[[str], Sequence[str]]
 
 
 class ScrapeError(RuntimeError):
     """A target that could not be scraped, with the reason."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Auth:
     """Credentials and TLS settings towards targets."""
 
@@ -35,6 +63,25 @@ class Auth:
     bearer: str | None = None
     ca_file: str | None = None
     insecure: bool = False
+
+    def __repr__(self) -> str:  # secrets stay out of logs and tracebacks
+        return f"Auth(basic={'***' if self.basic else None}, bearer={'***' if self.bearer else None}, ca_file={self.ca_file!r}, insecure={self.insecure})"
+
+
+def split_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
+    """The URL without ``user:pass@`` and the credentials it carried (None when none)."""
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    clean = urlunsplit(parts._replace(netloc=hostport))
+    return (clean if "://" in url else clean.split("://", 1)[1]), (user, password)
+
+
+def redact(url: str) -> str:
+    """The URL as it may be shown: without userinfo."""
+    return split_userinfo(url)[0]
 
 
 def metrics_url(target: str) -> str:
@@ -48,42 +95,223 @@ def scrape(
     target: str,
     timeout: float = 10.0,
     max_bytes: int = DEFAULT_MAX_BYTES,
-    session: requests.Session | None = None,
     auth: Auth | None = None,
+    redirects: int = MAX_REDIRECTS,
+    vet: Vet | None = None,
 ) -> Scrape:
-    """GET the target's metrics; raises ScrapeError on HTTP errors, timeouts and oversize."""
-    url = metrics_url(target)
-    headers = {"Accept": ACCEPT, "User-Agent": USER_AGENT}
-    kwargs: dict = {"timeout": timeout, "stream": True, "headers": headers}
-    if auth is not None:
-        if auth.bearer:
-            headers["Authorization"] = f"Bearer {auth.bearer}"
-        if auth.basic:
-            kwargs["auth"] = auth.basic
-        kwargs["verify"] = False if auth.insecure else (auth.ca_file or True)
-    http = session or requests
+    """GET the target's metrics within ``timeout`` seconds in all; ScrapeError says why not
+    (refused, timed out and in which phase, HTTP status, oversize, not UTF-8)."""
+    clean, userinfo = split_userinfo(target)
+    if userinfo is not None:
+        auth = replace(auth or Auth(), basic=userinfo)
+    url = metrics_url(clean)
     deadline = time.monotonic() + timeout
+    origin = _origin(url)
+    addresses = _vetted(url, clean, vet, "")  # the target is vetted as it was given
+    for _ in range(redirects + 1):
+        status, headers, body = _fetch(url, deadline, timeout, max_bytes, auth if _origin(url) == origin else None, addresses)
+        if status in (301, 302, 303, 307, 308) and headers.get("location"):
+            location = redact(urljoin(url, headers["location"]))
+            if urlsplit(location).scheme not in ("http", "https"):
+                raise ScrapeError(f"{url}: HTTP {status} redirect to a non-HTTP URL")
+            if redirects == 0:
+                raise ScrapeError(f"{url}: HTTP {status} redirect to {location} (redirects are not followed here)")
+            addresses = _vetted(url, location, vet, f"HTTP {status} redirect to {location} ")
+            url = location
+            continue
+        if status != 200:
+            raise ScrapeError(f"{url}: HTTP {status}")
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ScrapeError(f"{url}: body is not UTF-8") from None
+        return Scrape(time.time(), clean, headers.get("content-type"), text)
+    raise ScrapeError(f"{metrics_url(clean)}: more than {redirects} redirects")
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    p = urlsplit(url)
+    return p.scheme, p.hostname, p.port
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline reached")
+    return left
+
+
+class _DeadlineIO(io.RawIOBase):
+    """A socket's reads, each allowed only what is left of the scrape's deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: "bytearray | memoryview") -> int:  # type: ignore[override]
+        self._sock.settimeout(_remaining(self._deadline))
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    """What http.client.HTTPResponse needs of a socket (``makefile``), deadline-bound."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineIO(self._sock, self._deadline), CHUNK)
+
+
+def _vetted(url: str, hop: str, vet: Vet | None, what: str) -> list[str] | None:
+    """The addresses ``vet`` allows for the next hop (None: resolve as usual)."""
+    if vet is None:
+        return None
     try:
-        with http.get(url, **kwargs) as resp:
-            if resp.status_code != 200:
-                raise ScrapeError(f"{url}: HTTP {resp.status_code}")
-            declared = resp.headers.get("Content-Length")
-            if declared and declared.isdigit() and int(declared) > max_bytes:
-                raise ScrapeError(f"{url}: body of {declared} bytes exceeds the {max_bytes}-byte cap")
-            chunks, size = [], 0
-            for chunk in resp.iter_content(65536):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise ScrapeError(f"{url}: body exceeds the {max_bytes}-byte cap")
-                if time.monotonic() > deadline:
-                    raise ScrapeError(f"{url}: body not complete within {timeout:g}s")
-                chunks.append(chunk)
-            raw = b"".join(chunks)
-            content_type = resp.headers.get("Content-Type")
-    except requests.RequestException as exc:
-        raise ScrapeError(f"{url}: {type(exc).__name__}: {exc}") from None
+        return list(vet(hop))
+    except (PermissionError, ValueError) as exc:
+        raise ScrapeError(f"{url}: {what}refused: {exc}") from None
+
+
+def _fetch(url: str, deadline: float, timeout: float, max_bytes: int, auth: Auth | None, addresses: list[str] | None) -> tuple[int, dict[str, str], bytes]:
+    """One request: (status, lower-cased headers, decoded body); ScrapeError on any failure."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ScrapeError(f"{url}: only http:// and https:// URLs with a host can be scraped")
     try:
-        body = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ScrapeError(f"{url}: body is not UTF-8") from None
-    return Scrape(time.time(), target, content_type, body)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ScrapeError(f"{url}: the port is not a number from 1 to 65535") from None
+    host = parts.hostname
+    phase = "connect"
+    sock: socket.socket | None = None
+    try:
+        sock = _connect(addresses if addresses is not None else _resolve(host), port, deadline)
+        if parts.scheme == "https":
+            phase = "TLS handshake"
+            sock.settimeout(_remaining(deadline))
+            sock = _tls_context(auth).wrap_socket(sock, server_hostname=host)
+        phase = "request"
+        sock.settimeout(_remaining(deadline))
+        sock.sendall(_request(parts, auth))
+        phase = "headers"
+        resp = http.client.HTTPResponse(_DeadlineSocket(sock, deadline), method="GET")  # type: ignore[arg-type]
+        resp.begin()
+        headers = {k.lower(): v for k, v in resp.getheaders()}
+        if resp.status != 200:
+            return resp.status, headers, b""
+        phase = "body"
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise ScrapeError(f"{url}: body of {declared} bytes exceeds the {max_bytes}-byte cap")
+        return resp.status, headers, _body(resp, headers.get("content-encoding", "identity"), max_bytes, url)
+    except (TimeoutError, socket.timeout):
+        raise ScrapeError(f"{url}: timed out after {timeout:g}s in all (during the {phase})") from None
+    except ConnectionRefusedError:
+        raise ScrapeError(f"{url}: connection refused") from None
+    except ssl.SSLError as exc:
+        raise ScrapeError(f"{url}: TLS: {exc.reason or exc}") from None
+    except http.client.HTTPException as exc:
+        raise ScrapeError(f"{url}: not a valid HTTP response ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:  # a host name IDNA cannot encode, a path with spaces
+        raise ScrapeError(f"{url}: {exc}") from None
+    except OSError as exc:
+        raise ScrapeError(f"{url}: {exc.strerror or type(exc).__name__} (during the {phase})") from None
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as exc:
+        raise OSError(exc.errno, f"cannot resolve {host!r}: {exc.strerror}") from None
+    except UnicodeError:
+        raise ValueError(f"{host!r} is not a valid host name") from None
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _connect(addresses: Sequence[str], port: int, deadline: float) -> socket.socket:
+    """The first address that accepts, each attempt bounded by what is left."""
+    error: OSError = OSError(0, "no address to connect to")
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_remaining(deadline))
+            sock.connect((address, port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except (TimeoutError, socket.timeout):
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error
+
+
+def _tls_context(auth: Auth | None) -> ssl.SSLContext:
+    if auth is not None and auth.insecure:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    return ssl.create_default_context(cafile=auth.ca_file if auth is not None else None)
+
+
+def _request(parts: SplitResult, auth: Auth | None) -> bytes:
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    if any(c <= " " or c == "\x7f" for c in path):
+        raise ValueError("the URL's path holds spaces or control characters")
+    host = parts.netloc.rpartition("@")[2]
+    lines = [
+        f"GET {path} HTTP/1.1",
+        f"Host: {host}",
+        f"Accept: {ACCEPT}",
+        "Accept-Encoding: gzip",
+        f"User-Agent: {USER_AGENT}",
+        "Connection: close",
+    ]
+    if auth is not None and auth.bearer:
+        lines.append(f"Authorization: Bearer {auth.bearer}")
+    elif auth is not None and auth.basic:
+        token = base64.b64encode(f"{auth.basic[0]}:{auth.basic[1]}".encode("utf-8")).decode("ascii")
+        lines.append(f"Authorization: Basic {token}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8")
+
+
+def _body(resp: http.client.HTTPResponse, encoding: str, max_bytes: int, url: str) -> bytes:
+    """The body, decompressed, never more than ``max_bytes`` of it held."""
+    encoding = encoding.strip().lower()
+    if encoding not in ("identity", "gzip", ""):
+        raise ScrapeError(f"{url}: Content-Encoding {encoding!r} is not supported")
+    inflate = zlib.decompressobj(wbits=31) if encoding == "gzip" else None
+    out = bytearray()
+    try:
+        while True:
+            raw = resp.read(CHUNK)
+            if inflate is None:
+                if not raw:
+                    break
+                out += raw
+            else:
+                data = inflate.unconsumed_tail + raw
+                if not data:
+                    out += inflate.flush()
+                    break
+                # at most one byte past the cap per call: the rest waits in unconsumed_tail
+                out += inflate.decompress(data, max_bytes + 1 - len(out))
+            if len(out) > max_bytes:
+                raise ScrapeError(f"{url}: body exceeds the {max_bytes}-byte cap")
+    except zlib.error as exc:
+        raise ScrapeError(f"{url}: gzip body is corrupt ({exc})") from None
+    if inflate is not None and not inflate.eof:
+        raise ScrapeError(f"{url}: gzip body is truncated")
+    return bytes(out)

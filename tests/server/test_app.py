@@ -17,7 +17,7 @@ from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
 from kvdiag.server.probe import Allowlist
-from kvdiag.server.settings import Settings
+from kvdiag.server.settings import ProbeSettings, Settings
 from tests.server.conftest import settings_for, wait_for
 
 FAMILIES = {
@@ -119,7 +119,7 @@ def test_api_token(engines: dict[str, MetricsServer], start_loop: Callable[[Sett
 def test_probe_scrapes_allowed_targets_into_their_own_window(engines: dict[str, MetricsServer], start_loop: Callable[[Settings], ScrapeLoop]) -> None:
     from dataclasses import replace
 
-    loop = start_loop(replace(settings_for([]), probe=Allowlist.build(cidrs=["127.0.0.0/8"])))
+    loop = start_loop(replace(settings_for([]), probe=ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]))))
     client = client_for(loop)
     target = engines["vllm"].url
     for _ in range(4):
@@ -172,7 +172,7 @@ def test_probe_never_follows_a_redirect_past_the_allowlist(raw_server, start_loo
 
     allowed = raw_server(redirect)
     port = allowed.rsplit(":", 1)[1]
-    loop = start_loop(replace(settings_for([]), probe=Allowlist.build(regex=rf"http://127\.0\.0\.1:{port}")))
+    loop = start_loop(replace(settings_for([]), probe=ProbeSettings(Allowlist.build(regex=rf"http://127\.0\.0\.1:{port}"))))
     client = client_for(loop)
     resp = client.get("/probe", params={"target": allowed})
     assert resp.status_code == 200 and 'kvdiag_up{engine="",instance="' + allowed + '",model=""} 0.0' in resp.text

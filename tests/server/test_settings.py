@@ -48,6 +48,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_a_full_config_loads(tmp_path: Path) -> None:
     (tmp_path / "token.txt").write_text("s3cret\n")
+    (tmp_path / "ca.pem").write_text("")
     s = serve_settings.load(write(tmp_path, GOOD))
     assert (s.host, s.port, s.api_token, s.shard) == ("0.0.0.0", 9999, "s3cret", Shard(1, 3))
     assert (s.scrape.interval, s.scrape.effective_timeout, s.scrape.concurrency, s.scrape.max_bytes) == (10.0, 4.0, 16, 1048576)
@@ -57,7 +58,7 @@ def test_a_full_config_loads(tmp_path: Path) -> None:
     assert s.targets[1].label_dict == {"cluster": "east"}
     assert s.file_sd == (tmp_path / "sd/engines.json",)
     assert s.checks.window == 600 and s.checks.saturated_usage == 0.9
-    assert s.probe.hosts == {"engine-0.internal"}
+    assert s.probe.allowlist.hosts == {"engine-0.internal"}
 
 
 @pytest.mark.parametrize(
