@@ -153,7 +153,8 @@ def test_engine_log_fields_and_times(engine: str, wrapper: str, tmp_path: Path,
     if engine == "sglang":
         assert last.evictions_total == truth["evictions"] and last.usage_granularity == "token"
         assert last.used_tokens is not None and last.prefix_hit_tokens_total is not None
-    else:
+    else:  # the engine preempted, and its own stats line did not say so
+        assert truth["evictions"] > 0 and not any("Preemptions" in line for line in log.lines)
         assert all(s.evictions_total is None for s in samples)  # absent, never 0
         assert last.usage_granularity == "block" and last.prefix_hit_ratio_gauge == pytest.approx(0.875)
         assert any(n.startswith("evictions_total absent: vLLM 0.33.0") for n in last.notes)
