@@ -207,12 +207,8 @@ def _view(rows: list[Row], speed: float) -> Group:
         bar = pool_bar(s)
         bar.append(f"  usage {fmt(s.usage_ratio, '.2f')} of {fmt(s.capacity_tokens)} tokens")
         parts.append(bar)
-        parts.append(
-            Text(
-                f"running {fmt(s.running)}  waiting {fmt(s.waiting)}  evictions {fmt(r.evictions_per_min, '.1f')}/min  "
-                f"hit ratio {fmt(r.hit_ratio, '.2f')}  L2 {fmt(r.l2_occupancy, '.2f')}  P99 TTFT {fmt(r.ttft_p99, '.1f')} s"
-            )
-        )
+        parts.append(Text(f"running {fmt(s.running)}  waiting {fmt(s.waiting)}  evictions {fmt(r.evictions_per_min, '.1f')}/min"))
+        parts.append(Text(f"hit ratio {fmt(r.hit_ratio, '.2f')}  L2 {fmt(r.l2_occupancy, '.2f')}  P99 TTFT {fmt(r.ttft_p99, '.1f')} s"))
         verdict = Text("verdict ")
         verdict.append(r.verdict, style="bold")
         verdict.append(f"  {d.verdict.reason}", style="dim")

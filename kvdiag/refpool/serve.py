@@ -32,7 +32,10 @@ class MetricsServer:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the scraper hung up (its timeout ran out while the simulator held the lock)
 
             def log_message(self, *args: object) -> None:
                 pass
