@@ -186,8 +186,13 @@ def load(path: str | Path) -> Config:
         where[key] = f"{path}:{key_node.start_mark.line + 1}"
         if not isinstance(value_node, yaml.ScalarNode):
             raise ConfigError(f"{where[key]}: {SECTION}.{key}: expected a single value")
-        data[key] = yaml.safe_load(yaml.serialize(value_node))
+        data[key] = value_of(value_node)
     return from_mapping(data, where)
+
+
+def value_of(node: yaml.Node) -> Any:
+    """The Python value of a composed node (an empty ``key:`` is None), without re-parsing."""
+    return yaml.SafeLoader("").construct_document(node)
 
 
 def read_yaml(path: Path) -> yaml.Node | None:

@@ -130,3 +130,24 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "give engine URLs" in capsys.readouterr().err
     assert cli.main(["diagnose", "--replay", rec(tmp_path, "x"), "--set", "window=never"]) == 3
     assert "checks.window" in capsys.readouterr().err
+
+
+def test_a_url_that_never_answers_is_given_up_on_at_once_and_said_once(http_server, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two failed first scrapes end sampling (not --duration), with one line per URL."""
+    down = Responder(lambda path, headers: (503, {}, b"starting"))
+    url = http_server(down)
+    code = cli.main(["diagnose", "--json", url, "http://127.0.0.1:9", "--interval", "0.05", "--duration", "600", "--timeout", "2"])
+    captured = capsys.readouterr()
+    out, err = json.loads(captured.out), captured.err
+    assert code == 3 and len(down.requests) == 2  # 12,001 rounds were due: two were made
+    assert err.count("giving up on") == 2 and err.count("connection refused") == 1 and len(err.splitlines()) == 2
+    assert sorted(i["verdict"] for i in out["instances"]) == ["unknown", "unknown"]
+    assert any("connection refused" in i["reason"] for i in out["instances"])
+
+
+def test_record_to_an_unwritable_path_is_a_clear_error(http_server, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["record", "http://127.0.0.1:9", "--out", "/nonexistent/x.jsonl.gz", "--duration", "0"]) == 3
+    err = capsys.readouterr().err
+    assert "cannot write /nonexistent/x.jsonl.gz" in err and "Traceback" not in err
+    assert cli.main(["record", "http://127.0.0.1:9", "--out", "x.jsonl.gz", "--interval", "nan"]) == 3
+    assert "'nan' is not a duration" in capsys.readouterr().err

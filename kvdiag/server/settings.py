@@ -33,12 +33,12 @@ exporter that silently ignores a misspelt ``targets`` scrapes nothing and says n
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import ipaddress
 import yaml
 
 from kvdiag import config as checks_config
@@ -275,7 +275,7 @@ def load(path: str | Path) -> Settings:
             raise ConfigError(f"{where}: {key} is given twice")
         seen.add(key)
         try:
-            settings = _SECTIONS[key](settings, yaml.safe_load(yaml.serialize(value_node)), path.parent)
+            settings = _SECTIONS[key](settings, checks_config.value_of(value_node), path.parent)
         except FieldError as exc:
             line = _line(key_node, value_node, exc.path)
             raise ConfigError(f"{path}:{line}: {key}{''.join(_step(p) for p in exc.path)}: {exc.reason}") from None

@@ -179,3 +179,20 @@ def test_probe_never_follows_a_redirect_past_the_allowlist(raw_server, start_loo
     assert client.get("/probe", params={"target": secret}).status_code == 403
     assert hits == []
     assert "redirect" in (loop.probes[allowed].error or "").lower()
+
+
+def test_docs_work_offline(start_loop: Callable[[Settings], ScrapeLoop]) -> None:
+    import re
+
+    loop = ScrapeLoop(settings_for([]))
+    try:
+        client = client_for(loop)
+        html = client.get("/docs").text
+        assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html) + re.findall(r"""url: *["']([^"']+)["']""", html)
+        assert "://" not in html and assets and all(a.startswith("/") for a in assets), assets
+        for asset in assets:
+            resp = client.get(asset)
+            assert resp.status_code == 200 and resp.content, asset
+        assert "SwaggerUIBundle" in client.get("/docs-assets/swagger-ui-bundle.js").text
+    finally:
+        loop.stop()

@@ -113,3 +113,59 @@ def test_the_command_refuses_a_bad_config_before_listening(tmp_path: Path, capsy
     path = write(tmp_path, "scrape:\n  interval: fast\n")
     assert serve_command.run(args("--config", str(path))) == serve_command.EXIT_ERROR
     assert "kvdiag.yaml:2: scrape.interval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, line, words",
+    [
+        ("targets:\n", 1, "targets must be a list"),
+        ("scrape:\n  interval: .nan\n", 2, "not a finite duration"),
+        ("scrape:\n  interval: .inf\n", 2, "not a finite duration"),
+        ("checks:\n  window: .inf\n", 2, "not a finite duration"),
+        ("checks:\n  saturated_usage: .nan\n", 2, "not a finite number"),
+        ("targets:\n  - ftp://10.0.0.5:21\n", 2, "only http:// and https://"),
+        ("targets:\n  - file:///etc/passwd\n", 2, "only http:// and https://"),
+        ("targets:\n  - http://10.0.0.5:99999\n", 2, "Port out of range"),
+        ("scrape:\n  auth:\n    ca_file: missing.pem\n", 3, "no such file"),
+        ("listen: '[::1:5'\n", 1, "expected HOST:PORT"),
+        ("scrape:\n  concurrency: 100000000\n", 2, "more than"),
+        ("probe:\n  auth:\n    - {bearer_token: t}\n", 3, "names the hosts"),
+        ("a:\n" + "".join("  " * i + "- \n" for i in range(1, 40)), 17, "nested more than"),
+    ],
+)
+def test_every_bad_value_is_one_line_and_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, line: int, words: str) -> None:
+    path = write(tmp_path, text)
+    assert serve_command.run(args("--config", str(path))) == serve_command.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"kvdiag.yaml:{line}:" in err and words in err, err
+
+
+def test_a_file_that_is_not_utf8_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kvdiag.yaml"
+    path.write_bytes(b"targets: [http://a:1]\n# caf\xe9\n")
+    assert serve_command.run(args("--config", str(path))) == serve_command.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not UTF-8" in err
+
+
+@pytest.mark.parametrize("listen", ["[::1:5", "::1:5", "[127.0.0.1]:80", "host name:80", "127.0.0.1:0", "127.0.0.1:65536"])
+def test_bad_listen_flags(listen: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_command.run(args("--listen", listen)) == serve_command.EXIT_ERROR
+    assert "expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_listen_accepts_v6_and_names() -> None:
+    assert serve_command.resolve(args("--listen", "[::1]:9000")).host == "::1"
+    assert serve_command.resolve(args("--listen", "localhost:9000")).host == "localhost"
+
+
+def test_a_busy_port_is_one_error_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert serve_command.run(args("--listen", f"127.0.0.1:{port}")) == serve_command.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "startup complete" not in err and err.count("\n") == 1
