@@ -470,11 +470,12 @@ def test_vllm_preemptions_count_only_once_the_log_shows_the_field() -> None:
     [
         ("Initializing a V1 LLM engine (v0.33.0) with config: model='m', speculative_config=None",
          "vLLM 0.33.0 (app.log:1)"),
-        ("vLLM API server version 0.12.0", "vLLM 0.12.0 (app.log:1)"),
+        ("vLLM API server version 0.12.0", "vLLM 0.12.0 (app.log:1) prints no 'Preemptions' field"),
+        ("vLLM API server version 0.10.1.1", "vLLM 0.10.1.1 (app.log:1) has no 'Preemptions' field"),
         (" \u2584\u2584 \u2584\u2588 \u2588     \u2588     \u2588 \u2580\u2584\u2580 \u2588  version 0.40.1", "vLLM 0.40.1 (app.log:1; newer"),
         (None, "its version is not in the log"),
     ],
-    ids=["engine core", "api server", "logo, newer", "no version line"],
+    ids=["engine core", "api server", "before the field", "logo, newer", "no version line"],
 )
 def test_vllm_missing_preemptions_say_which_version_and_how_to_get_them(version_line: str | None, who: str) -> None:
     lines = [vllm(version_line, src="[core.py:140]")] if version_line else []

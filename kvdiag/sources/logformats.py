@@ -177,14 +177,17 @@ VLLM_PREEMPTIONS_ADDED = (0, 11, 1)
 VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH = (0, 33, 0)
 
 
-def vllm_prints_preemptions(version: str | None) -> bool | None:
-    """Whether vLLM ``version``'s stats line can print ``Preemptions``: False for every release
-    read (up to 0.33.0), None when the version is unknown or newer than those read."""
+def vllm_preemptions_field(version: str | None) -> str:
+    """What vLLM ``version``'s stats line does with ``Preemptions``: ``"none"`` (it has no such
+    field), ``"never printed"`` (it has one, reset before formatting), or ``"unknown"`` (no
+    version, or one newer than the releases read)."""
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version or "")
     if m is None:
-        return None
+        return "unknown"
     release = (int(m[1]), int(m[2]), int(m[3] or 0))
-    return False if release <= VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH else None
+    if release < VLLM_PREEMPTIONS_ADDED:
+        return "none"
+    return "never printed" if release <= VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH else "unknown"
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from kvdiag.sources.logformats import (
     LogLine,
     Mention,
     parse,
-    vllm_prints_preemptions,
+    vllm_preemptions_field,
 )
 
 #: Problems kept with their text (the count goes on); bounds memory on a log full of garbage.
@@ -83,20 +83,28 @@ ENGINE_NOTES: dict[str, tuple[str, ...]] = {
     ),
 }
 
-def _fmt_release(release: tuple[int, int, int]) -> str:
+def _release(release: tuple[int, int, int]) -> str:
     return ".".join(map(str, release))
 
 
-#: Why a vLLM V1 log carries no eviction count. It starts with the field's name: the evictions
-#: check quotes such a note as the reason it is unknown.
-PREEMPTIONS_NEVER_PRINTED = (
-    "evictions_total absent: {who} prints no 'Preemptions' field in its periodic stats line "
-    f"(the field exists from {_fmt_release(VLLM_PREEMPTIONS_ADDED)}, but LoggingStatLogger.log() resets the "
-    "interval's count before formatting it, so no release up to "
-    f"{_fmt_release(VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH)} prints it, even while the engine preempts); the "
-    "stats lines {lines} would have carried it. Preemptions are not 0, they are unseen: read "
-    "vllm:num_preemptions_total from /metrics or a Prometheus server, or log with a build whose stats "
-    "line prints the field"
+#: Why a vLLM V1 log carries no eviction count, by what the version's stats line does with the
+#: field (``logformats.vllm_preemptions_field``). A note starting with the field's name: the
+#: evictions check quotes it as the reason it is unknown.
+_RESET = (
+    "LoggingStatLogger.log() resets the interval's count before formatting the line, so no release "
+    f"from {_release(VLLM_PREEMPTIONS_ADDED)} to {_release(VLLM_PREEMPTIONS_NEVER_PRINTED_THROUGH)} prints it, "
+    "even while the engine preempts"
+)
+_NEVER = f"prints no 'Preemptions' field in its periodic stats line ({_RESET})"
+PREEMPTIONS_WHY = {
+    "none": f"has no 'Preemptions' field in its periodic stats line (added in {_release(VLLM_PREEMPTIONS_ADDED)}; {_RESET})",
+    "never printed": _NEVER,
+    "unknown": _NEVER,
+}
+PREEMPTIONS_UNSEEN = (
+    "evictions_total absent: {who} {why}; the stats lines {lines} would have carried it. Preemptions are "
+    "not 0, they are unseen: read vllm:num_preemptions_total from /metrics or a Prometheus server, or log "
+    "with a build whose stats line prints the field"
 )
 
 
@@ -507,14 +515,15 @@ class _Assembler:
 
     def _preemptions_unseen(self, inst: _Instance, lineno: int, line: LogLine) -> str:
         version = self.versions.get(line.source)
-        if version is not None and vllm_prints_preemptions(version[0]) is False:
-            who = f"vLLM {version[0]} ({self._where(version[1])})"
-        elif version is not None:
+        field = vllm_preemptions_field(version[0] if version else None)
+        if version is None:
+            who = "this vLLM (its version is not in the log: no 'Initializing a V1 LLM engine (vX)' line)"
+        elif field == "unknown":
             who = f"vLLM {version[0]} ({self._where(version[1])}; newer than the releases kvdiag has read) so far"
         else:
-            who = "this vLLM (its version is not in the log: no 'Initializing a V1 LLM engine (vX)' line)"
+            who = f"vLLM {version[0]} ({self._where(version[1])})"
         lines = f"{self._where(inst.first_line)} to {self._where(lineno)}"
-        return PREEMPTIONS_NEVER_PRINTED.format(who=who, lines=lines)
+        return PREEMPTIONS_UNSEEN.format(who=who, why=PREEMPTIONS_WHY[field], lines=lines)
 
     def _vllm_v0_hit(self, inst: _Instance, lineno: int, f: dict[str, str], line: LogLine, ts: float, note: str | None) -> None:
         inst.v0_hit = (float(f["hit"]) / 100.0, lineno)
