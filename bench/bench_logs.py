@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from kvdiag.sources.logs import read_log
+from kvdiag.sources.logs import LogReport, read_log
 
 #: One logged second; {s} is SGLang's stamp, {v} vLLM's, {i} varies the numbers a little.
 SECOND = "".join(
@@ -86,7 +86,7 @@ def max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def parse(path: Path, total: int) -> tuple[float, int, dict[str, float], object]:
+def parse(path: Path, total: int) -> tuple[float, int, dict[str, float], LogReport]:
     """Stream ``path`` through read_log: seconds, samples, peak RSS at 10/50/100 % of the lines, report."""
     marks = {int(total * f): f for f in (0.1, 0.5)}
     rss_at: dict[str, float] = {}

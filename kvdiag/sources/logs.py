@@ -83,6 +83,7 @@ ENGINE_NOTES: dict[str, tuple[str, ...]] = {
     ),
 }
 
+
 def _release(release: tuple[int, int, int]) -> str:
     return ".".join(map(str, release))
 
