@@ -5,7 +5,7 @@ Usage: .venv/bin/python bench/bench_serve.py [--targets N] [--window S] [--inter
 What it runs: N loopback targets, served by a child process (so its CPU is not counted) that
 answers each with a real engine fixture from ../shared/fixtures (SGLang 0.5.23, 101 KB, and
 vLLM 0.33.0, 65 KB, alternating), and this process running the real exporter loop
-(``ScrapeLoop``: HTTP with keep-alive per target, the targeted reader, the engine adapters, the
+(``ScrapeLoop``: one deadline-bound HTTP connection per scrape, the targeted reader, the engine adapters, the
 ring buffers, the checks every ``evaluate_every``) plus a Prometheus-style render of /metrics
 every 15 s.
 
