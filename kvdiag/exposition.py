@@ -23,8 +23,8 @@ Format facts it handles (see shared/facts/engine-metrics.md):
   families in mmap-file order. A number beyond float range (``1e400``, a 401-digit integer)
   is refused, as Go's ParseFloat refuses it, never read as infinity.
 - The text format's last line ends with a newline: a body that does not is cut, and refused.
-  Leading blanks on a line are ignored (the format says so; Prometheus skips them); a UTF-8
-  byte-order mark before the first line is dropped.
+  Leading blanks on a line are ignored (the format says so; Prometheus skips them), but
+  refused in OpenMetrics, whose grammar has none; a UTF-8 byte-order mark is dropped.
 """
 
 from __future__ import annotations
@@ -220,6 +220,8 @@ class Reader:
             offset = m.start()  # the newline before the line in the scan: the line's offset in text
             if bad is not None:
                 raise ExpositionError("malformed sample line", lineno_at(text, offset), _line(text, offset))
+            if openmetrics and text[offset : offset + 1] in (" ", "\t"):
+                raise ExpositionError("OpenMetrics allows no blank before a sample", lineno_at(text, offset), _line(text, offset))
             fam_name, suffix, scheme = resolve[name]
             fam = families.get(fam_name)
             if fam is None:
