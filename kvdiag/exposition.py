@@ -158,9 +158,10 @@ def spellings(name: str) -> dict[str, str]:
     return out
 
 
-def sample_names(wanted: Iterable[str], suffixes: tuple[str, ...] = SUFFIXES + ("",)) -> dict[str, tuple[str, str, str]]:
+def sample_names(wanted: Iterable[str], suffixes: tuple[str, ...] = ("",) + SUFFIXES) -> dict[str, tuple[str, str, str]]:
     """Every spelling of every sample name of the wanted families, to (family, suffix,
-    scheme). A name as written wins over an escaped spelling that happens to equal it."""
+    scheme). A name as written wins over an escaped spelling that happens to equal it, and a
+    family's bare name over another's suffixed one."""
     out: dict[str, tuple[str, str, str]] = {}
     for pass_schemes in (("",), SCHEMES[1:]):
         for fam in wanted:

@@ -22,7 +22,7 @@ from typing import Iterable
 import requests
 
 from kvdiag import engines
-from kvdiag.exposition import SUFFIXES, Exposition, Family, Sample
+from kvdiag.exposition import SUFFIXES, Exposition, Family, Sample, sample_names
 from kvdiag.model import PoolSample
 
 #: Prometheus refuses a query_range of more than 11,000 points per series.
@@ -166,16 +166,9 @@ def _regroup(series: list[dict]) -> dict[tuple[str, str], dict[float, dict[str, 
 
 
 def _resolver(wanted: Iterable[str]) -> dict[str, tuple[str, str, bool]]:
-    """Every stored series name to (family, suffix, escaped); the bare name wins."""
-    out: dict[str, tuple[str, str, bool]] = {}
-    for fam in wanted:
-        for spelling, escaped in ((fam, False), (fam.replace(":", "_"), True)):
-            for suffix in SUFFIXES:
-                out.setdefault(spelling + suffix, (fam, suffix, escaped))
-    for fam in wanted:
-        for spelling, escaped in ((fam, False), (fam.replace(":", "_"), True)):
-            out[spelling] = (fam, "", escaped)
-    return out
+    """Every stored series name (as the reader spells it under each escaping scheme) to
+    (family, suffix, escaped); the bare name wins."""
+    return {name: (fam, suffix, scheme != "") for name, (fam, suffix, scheme) in sample_names(wanted).items()}
 
 
 def _target(key: tuple[str, str]) -> str:
