@@ -36,11 +36,12 @@ def test_demo_reaches_the_l1_verdicts_on_the_reference_engines() -> None:
             assert ratio == "—" or 0 <= float(ratio) <= 1, m.group(0)  # never an impossible ratio
     assert set(verdicts) == {"sglang", "vllm"}
     # vLLM preempts and recomputes; SGLang's admission blocks on its output reserve, no retraction
-    final = {"vllm": "l1_kv_bottleneck", "sglang": "l1_kv_pressure"}
+    reached = {"vllm": "l1_kv_bottleneck", "sglang": "l1_kv_pressure"}
     for engine, seen in verdicts.items():
         assert "healthy" in seen, (engine, seen)  # it starts healthy ...
-        assert seen[-1] == final[engine], (engine, seen)  # ... and ends on its L1 verdict
-        assert seen.index("healthy") < seen.index(final[engine])
+        assert reached[engine] in seen and seen.index("healthy") < seen.index(reached[engine]), (engine, seen)  # ... reads L1 ...
+        assert seen[-1] in ("l1_kv_bottleneck", "l1_kv_pressure"), (engine, seen)  # ... and ends on L1
+    assert "l1_kv_bottleneck" not in verdicts["sglang"]  # SGLang never retracts in this story
     assert any(m and m.group(2) == "sglang" and m.group(4) != "—" for m in parsed)  # SGLang's L2 is shown
     assert any(m and m.group(3) != "—" for m in parsed)  # so is the hit ratio
     # one time base: the story's. t= and the checks' spans are simulated seconds, far past the wall run

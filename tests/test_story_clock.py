@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiag.commands.demo import StoryClock
+from kvdiag.commands.demo import StoryClock, wall_config
+from kvdiag.config import Config
 from kvdiag.model import PoolSample
 from kvdiag.server.ring import Ring
 
@@ -31,3 +32,14 @@ def test_a_ring_window_on_the_story_clock_gives_rates_per_simulated_second() -> 
     assert story.rate("evictions_total") == 2.0 / 12
     assert (story.start, story.end) == (0.0, 48.0)
     assert StoryClock(0.0).story(np.array([5.0])).tolist() == [5.0]  # no scrape served yet: as given
+
+
+def test_the_exporter_reads_the_same_story_on_the_wall_clock() -> None:
+    """Its page must give the terminal's verdicts: every look-back span divided by the speed;
+    the TTFT SLO is the engine's own latency (story seconds already) and stays."""
+    story = Config()
+    wall = wall_config(story, 12.0)
+    assert wall.window == story.window / 12
+    assert wall.saturated_short_window == story.saturated_short_window / 12
+    assert wall.queue_short_window == story.queue_short_window / 12
+    assert wall.ttft_slo == story.ttft_slo and wall.saturated_usage == story.saturated_usage
