@@ -151,3 +151,29 @@ def test_record_to_an_unwritable_path_is_a_clear_error(http_server, capsys: pyte
     assert "cannot write /nonexistent/x.jsonl.gz" in err and "Traceback" not in err
     assert cli.main(["record", "http://127.0.0.1:9", "--out", "x.jsonl.gz", "--interval", "nan"]) == 3
     assert "'nan' is not a duration" in capsys.readouterr().err
+
+
+def test_credentials_in_a_url_never_reach_the_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["diagnose", "--json", "http://scraper:hunter2@127.0.0.1:9", "--interval", "0.05", "--duration", "1", "--timeout", "1"])
+    captured = capsys.readouterr()
+    assert code == 3 and "hunter2" not in captured.out + captured.err
+    assert json.loads(captured.out)["instances"][0]["instance"] == "http://127.0.0.1:9"
+
+
+def test_one_target_that_breaks_the_reader_is_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvdiag.commands.diagnose as diagnose_module
+
+    good, bad = rec(tmp_path, "good", **BOTTLENECK), tmp_path / "bad.prom"
+    bad.write_text("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n")
+    real = diagnose_module.normalize_scrape
+
+    def broken(s, engine="auto"):  # type: ignore[no-untyped-def]
+        if s.target.endswith("bad.prom"):
+            raise ArithmeticError("a reader bug")
+        return real(s, engine)
+
+    monkeypatch.setattr(diagnose_module, "normalize_scrape", broken)
+    code, out = diagnose_json(capsys, "--replay", good, str(bad))
+    verdicts = {i["instance"].rsplit("/", 1)[-1]: (i["verdict"], i["reason"]) for i in out["instances"]}
+    assert code in (2, 3) and verdicts["bad.prom"][0] == "unknown" and "internal error reading this target: ArithmeticError" in verdicts["bad.prom"][1]
+    assert any(v == "l1_kv_bottleneck" for v, _ in verdicts.values())

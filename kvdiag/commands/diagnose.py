@@ -76,11 +76,15 @@ class Collected:
     logs: list[LogStream] = field(default_factory=list)  # read in full, or followed by follow()
 
     def add(self, s: Scrape, engine: str) -> None:
+        """Normalize one scrape; whatever goes wrong with it is this target's problem line,
+        never the end of a multi-target run (a kvdiag bug says so, with its type)."""
         try:
             self.samples.extend(normalize_scrape(s, engine))
             self.answered.add(s.target)
         except (UnknownEngine, ExpositionError) as exc:
             self.problems.setdefault(s.target, str(exc))
+        except Exception as exc:  # noqa: BLE001 (contained per target, and named)
+            self.problems.setdefault(s.target, f"internal error reading this target: {type(exc).__name__}: {exc}")
 
     def settle(self) -> None:
         """A target that yielded samples at other moments is not a problem (a failed scrape
@@ -199,15 +203,16 @@ def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> No
         task = progress.add_task(label, total=rounds)
         for i in range(rounds):
             for url in list(active):
+                target = redact(url)  # what the scrape names it by: never its credentials
                 try:
                     out.add(scrape(url, timeout=timeout), args.engine)
                     continue
                 except ScrapeError as exc:
-                    out.problems.setdefault(url, str(exc))
-                failures[url] = failures.get(url, 0) + 1
-                if url not in out.answered and failures[url] >= GIVE_UP_AFTER:
+                    out.problems.setdefault(target, str(exc))
+                failures[target] = failures.get(target, 0) + 1
+                if target not in out.answered and failures[target] >= GIVE_UP_AFTER:
                     active.remove(url)
-                    print(f"kvdiag diagnose: giving up on {redact(url)} after {failures[url]} failed scrapes: {out.problems[url]}", file=sys.stderr)
+                    print(f"kvdiag diagnose: giving up on {target} after {failures[target]} failed scrapes: {out.problems[target]}", file=sys.stderr)
             failed = sum(failures.values())
             progress.update(task, advance=1, description=label + (f" · {failed} failed scrape(s)" if failed else ""))
             if not active:

@@ -81,13 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvdiag.serve")
-    if not is_loopback(settings.host) and settings.api_token is None:
-        log.warning(
-            "listening on %s, beyond loopback, WITHOUT an API token: anyone who can reach port %d reads /api/v1 "
-            "(targets, errors, evidence); set api_bearer_token_file in the config",
-            settings.host,
-            settings.port,
-        )
+    warning = exposure_warning(settings)
+    if warning:
+        log.warning(warning)
     if not settings.targets and not settings.file_sd and settings.probe.allowlist.empty:
         log.warning("no targets, no file_sd and no probe allowlist: nothing to scrape")
     loop = ScrapeLoop(settings).start()
@@ -100,6 +96,16 @@ def run(args: argparse.Namespace) -> int:
         loop.stop()
         sock.close()
     return 0
+
+
+def exposure_warning(settings: Settings) -> str | None:
+    """What to say loudly when the API answers beyond this machine to anyone."""
+    if is_loopback(settings.host) or settings.api_token is not None:
+        return None
+    return (
+        f"listening on {settings.host}, beyond loopback, WITHOUT an API token: anyone who can reach port "
+        f"{settings.port} reads /api/v1 (targets, errors, evidence); set api_bearer_token_file in the config"
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:

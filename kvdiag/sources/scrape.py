@@ -129,9 +129,9 @@ def scrape(
     raise ScrapeError(f"{metrics_url(clean)}: more than {redirects} redirects")
 
 
-def _origin(url: str) -> tuple[str, str | None, int | None]:
+def _origin(url: str) -> tuple[str, str | None, str]:
     p = urlsplit(url)
-    return p.scheme, p.hostname, p.port
+    return p.scheme, p.hostname, p.netloc.rpartition(":")[2]
 
 
 def _remaining(deadline: float) -> float:
@@ -182,10 +182,17 @@ def _fetch(url: str, deadline: float, timeout: float, max_bytes: int, auth: Auth
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ScrapeError(f"{url}: only http:// and https:// URLs with a host can be scraped")
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        port = parts.port
     except ValueError:
-        raise ScrapeError(f"{url}: the port is not a number from 1 to 65535") from None
+        port = 0
+    if port == 0:
+        raise ScrapeError(f"{url}: the port is not a number from 1 to 65535")
+    port = port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname
+    try:
+        request = _request(parts, auth)
+    except ValueError as exc:
+        raise ScrapeError(f"{url}: {exc}") from None
     phase = "connect"
     sock: socket.socket | None = None
     try:
@@ -196,7 +203,7 @@ def _fetch(url: str, deadline: float, timeout: float, max_bytes: int, auth: Auth
             sock = _tls_context(auth).wrap_socket(sock, server_hostname=host)
         phase = "request"
         sock.settimeout(_remaining(deadline))
-        sock.sendall(_request(parts, auth))
+        sock.sendall(request)
         phase = "headers"
         resp = http.client.HTTPResponse(_DeadlineSocket(sock, deadline), method="GET")  # type: ignore[arg-type]
         resp.begin()
@@ -216,7 +223,7 @@ def _fetch(url: str, deadline: float, timeout: float, max_bytes: int, auth: Auth
         raise ScrapeError(f"{url}: TLS: {exc.reason or exc}") from None
     except http.client.HTTPException as exc:
         raise ScrapeError(f"{url}: not a valid HTTP response ({type(exc).__name__}: {exc})") from None
-    except ValueError as exc:  # a host name IDNA cannot encode, a path with spaces
+    except ValueError as exc:  # a host name IDNA cannot encode
         raise ScrapeError(f"{url}: {exc}") from None
     except OSError as exc:
         raise ScrapeError(f"{url}: {exc.strerror or type(exc).__name__} (during the {phase})") from None

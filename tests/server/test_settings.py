@@ -169,3 +169,14 @@ def test_a_busy_port_is_one_error_before_anything_starts(capsys: pytest.CaptureF
         assert serve_command.run(args("--listen", f"127.0.0.1:{port}")) == serve_command.EXIT_ERROR
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "startup complete" not in err and err.count("\n") == 1
+
+
+def test_listening_beyond_loopback_without_a_token_is_said_loudly() -> None:
+    from dataclasses import replace
+
+    warning = serve_command.exposure_warning(serve_command.resolve(args("--listen", "0.0.0.0:9000")))
+    assert warning is not None and "WITHOUT an API token" in warning and "0.0.0.0" in warning
+    for listen in ("127.0.0.1:9000", "[::1]:9000", "localhost:9000", ":9000"):
+        assert serve_command.exposure_warning(serve_command.resolve(args("--listen", listen))) is None, listen
+    exposed = serve_command.resolve(args("--listen", "10.0.0.5:9000"))
+    assert serve_command.exposure_warning(replace(exposed, api_token="t")) is None

@@ -1,0 +1,136 @@
+"""One scrape against real loopback servers: one deadline for all of it, whatever the target
+does; redirects as engines send them; gzip within the cap; credentials never named."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from http.server import BaseHTTPRequestHandler
+from typing import Callable, Iterator
+
+import pytest
+
+from kvdiag.sources.scrape import Auth, ScrapeError, redact, scrape, split_userinfo
+from tests.server.conftest import Handle, reply
+
+BODY = b"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 3\n"
+
+
+@pytest.fixture
+def stop() -> Iterator[threading.Event]:
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def dripper(head: bytes, tail: bytes, sent: list[int], stop: threading.Event) -> Handle:
+    """Sends ``head`` at once, then ``tail`` one byte every 50 ms, counting what went out."""
+
+    def handle(h: BaseHTTPRequestHandler) -> None:
+        h.wfile.write(head)
+        h.wfile.flush()
+        for i in range(len(tail)):
+            if stop.wait(0.05):
+                return
+            h.wfile.write(tail[i : i + 1])
+            h.wfile.flush()
+            sent.append(1)
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    "head, tail, phase",
+    [
+        (b"", b"HTTP/1.1 200 OK\r\n\r\n" + BODY, "headers"),  # drips its status line
+        (b"HTTP/1.1 200 OK\r\n", b"X-Slow: " + b"a" * 4000 + b"\r\n\r\n" + BODY, "headers"),
+        (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", BODY * 60, "body"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"".join(b"1\r\n" + bytes([c]) + b"\r\n" for c in BODY * 20), "body"),
+    ],
+)
+def test_one_deadline_bounds_the_whole_scrape(raw_server: Callable[[Handle], str], stop: threading.Event, head: bytes, tail: bytes, phase: str) -> None:
+    sent: list[int] = []
+    url = raw_server(dripper(head, tail, sent, stop))
+    with pytest.raises(ScrapeError, match=rf"timed out after 0\.5s in all \(during the {phase}\)"):
+        scrape(url, timeout=0.5)
+    stop.set()
+    # a per-read timeout waits for every byte (over 2 minutes of dripping here); the deadline
+    # stops after about 10 of them (the bound leaves a loaded machine 10x the slack)
+    assert len(sent) < min(len(tail), 100), len(sent)
+
+
+def test_a_target_that_never_answers_and_one_that_refuses(raw_server: Callable[[Handle], str], stop: threading.Event) -> None:
+    url = raw_server(lambda h: stop.wait(30))
+    with pytest.raises(ScrapeError, match="timed out after 0.3s in all"):
+        scrape(url, timeout=0.3)
+    with pytest.raises(ScrapeError, match="connection refused"):
+        scrape("http://127.0.0.1:9", timeout=2)
+
+
+def test_redirects_as_engines_send_them(raw_server: Callable[[Handle], str]) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def other(h: BaseHTTPRequestHandler) -> None:
+        seen.append((h.path, h.headers.get("Authorization")))
+        reply(h, 200, BODY)
+
+    elsewhere = raw_server(other)
+
+    def mounted(h: BaseHTTPRequestHandler) -> None:  # Starlette's Mount("/metrics"): 307 to /metrics/
+        seen.append((h.path, h.headers.get("Authorization")))
+        if h.path == "/metrics":
+            h.send_response(307)
+            h.send_header("Location", "/metrics/")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+        elif h.path == "/away":
+            h.send_response(302)
+            h.send_header("Location", elsewhere + "/metrics")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+        else:
+            reply(h, 200, BODY)
+
+    url = raw_server(mounted)
+    got = scrape(url, timeout=5, auth=Auth(bearer="T"))
+    assert got.body == BODY.decode() and got.target == url
+    assert seen == [("/metrics", "Bearer T"), ("/metrics/", "Bearer T")]
+    seen.clear()
+    scrape(url + "/away", timeout=5, auth=Auth(bearer="T"))
+    assert seen == [("/away", "Bearer T"), ("/metrics", None)]  # credentials stay with their origin
+    with pytest.raises(ScrapeError, match="redirect to /metrics/|redirect to http"):
+        scrape(url, timeout=5, redirects=0)
+
+
+def test_gzip_is_read_and_a_gzip_bomb_is_refused(raw_server: Callable[[Handle], str]) -> None:
+    def gz(payload: bytes) -> Handle:
+        packed = gzip.compress(payload)
+        return lambda h: (h.send_response(200), h.send_header("Content-Encoding", "gzip"), h.send_header("Content-Length", str(len(packed))), h.end_headers(), h.wfile.write(packed))
+
+    assert scrape(raw_server(gz(BODY)), timeout=5).body == BODY.decode()
+    bomb = raw_server(gz(b"0" * (64 << 20)))  # 64 MiB of zeros in about 64 KiB
+    with pytest.raises(ScrapeError, match="exceeds the 1048576-byte cap"):
+        scrape(bomb, timeout=10, max_bytes=1 << 20)
+
+
+def test_credentials_in_the_url_are_sent_and_never_named(raw_server: Callable[[Handle], str]) -> None:
+    auth: list[str | None] = []
+
+    def handle(h: BaseHTTPRequestHandler) -> None:
+        auth.append(h.headers.get("Authorization"))
+        reply(h, 500 if len(auth) > 1 else 200, BODY)
+
+    url = raw_server(handle)
+    secret = url.replace("http://", "http://kv:s3cr%40t@")
+    got = scrape(secret, timeout=5)
+    assert auth == ["Basic a3Y6czNjciU0MHQ="] and got.target == url  # kv:s3cr%40t, as written
+    with pytest.raises(ScrapeError) as err:
+        scrape(secret, timeout=5)
+    assert "s3cr" not in str(err.value) and url in str(err.value)
+    assert redact("kv:pw@h:1") == "h:1" and split_userinfo("http://h:1") == ("http://h:1", None)
+
+
+@pytest.mark.parametrize("target, words", [("ftp://127.0.0.1/", "only http"), ("http://127.0.0.1:99999/", "port"), ("http://127.0.0.1:0/", "port"), ("http://127.0.0.1/a b", "spaces")])
+def test_unscrapable_urls_are_errors_not_tracebacks(target: str, words: str) -> None:
+    with pytest.raises(ScrapeError, match=words):
+        scrape(target, timeout=1)
