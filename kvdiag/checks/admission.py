@@ -10,21 +10,23 @@ which can happen well before the usage gauge reads 1:
   running request. Such an engine refuses a request while its usage gauge reads 0.93-0.97 (with
   long ``max_tokens``, far lower), and its usage is never pinned at 1.
 
-Per sample, over the check span::
+At the evaluation instant (the newest sample)::
 
     need      = prompt x (1 - hit ratio)  [+ min(output, clip) x (1 + reserve_ratio x running)]
     admission = min(1, usage + need / capacity)
 
-``prompt`` and ``output`` are tokens per finished request over the span (over the engine's
-lifetime when none finished in it), ``hit ratio`` the prefix-cache hit ratio over the span from
-counters. The running requests' remaining output is estimated by the mean output of finished
+``prompt`` and ``output`` are tokens per finished request, ``rate(tokens[window]) /
+rate(requests[window])``, and ``hit ratio`` is ``rate(hits[window]) / rate(queries[window])``,
+each rate computed exactly as PromQL does (``kvdiag.checks.stats``), so the recorded series
+``instance:kvdiag_kv_admission_need:ratio*`` is this very figure. The running requests'
+remaining output is estimated by the mean output of finished
 requests: the engine reserves ``max_tokens - generated`` per request and does not export
 ``max_tokens``; clients ask for at least what they get, and a running request is on average
 halfway through, so the estimate lies between the two (clients asking for far more than they
 get make the real reserve larger, and the check can still miss it). ``clip`` is the most output
-the engine charges one request (from its adapter). Where an input is
-missing, admission usage is the usage gauge (``basis`` says which input). PromQL twin:
-``instance:kvdiag_kv_admission_usage:ratio*`` in ``kvdiag.render.normalize``.
+the engine charges one request (from its adapter). Where an input is missing (no request
+finished in the window, no hit counters, a single sample: PromQL has no rate there either),
+the need is 0 and admission usage is the usage gauge (``basis`` says which input).
 """
 
 from __future__ import annotations
@@ -34,19 +36,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvdiag import engines
-from kvdiag.checks.base import counter_ratio, per_request, recent
+from kvdiag.checks import stats
+from kvdiag.checks.base import recent
 from kvdiag.config import Config
 from kvdiag.window import Window
 
 
 @dataclass(frozen=True)
 class AdmissionUsage:
-    """Usage and admission usage per sample of the check span (absent usage dropped)."""
+    """The usage gauge over the check span, and what the next admission needs at its end."""
 
-    ts: np.ndarray
+    ts: np.ndarray  # usage samples of the check span (absent usage dropped)
     usage: np.ndarray
-    admission: np.ndarray
-    need_tokens: np.ndarray  # the room counted as taken beyond the usage gauge
+    need_tokens: float  # the room counted as taken beyond the usage gauge, at the newest sample
+    need_ratio: float  # need_tokens / capacity (0 where an input is missing)
+    admission: float  # min(1, usage + need_ratio) at the newest sample
     prompt_per_request: float | None
     output_per_request: float | None
     hit_ratio: float | None
@@ -55,42 +59,51 @@ class AdmissionUsage:
 
 
 def admission_usage(window: Window, config: Config) -> AdmissionUsage:
-    """Admission usage over the check span (see the module docstring)."""
+    """Admission usage at the window's newest sample (see the module docstring)."""
     w = recent(window, config)
-    usage_all = w.column("usage_ratio")
-    keep = ~np.isnan(usage_all)
-    ts, usage = w.column("ts")[keep], usage_all[keep]
-    capacity = w.column("capacity_tokens")[keep]
-    reserve = w.column("decode_reserve_ratio")[keep]
-    running = np.nan_to_num(w.column("running")[keep])
-    prompt, _ = per_request(window, config, "prompt_tokens_total")
-    output, _ = per_request(window, config, "generation_tokens_total")
-    hit = _hit_ratio(window, config)
-    clip = _output_clip(window.engine)
-    reserve_last = float(reserve[-1]) if len(reserve) and not np.isnan(reserve[-1]) else None
-
+    ts, usage = w.points("usage_ratio")
+    t = w.end
+    prompt = _per_request(w, config, "prompt_tokens_total")
+    output = _per_request(w, config, "generation_tokens_total")
+    hit = _ratio(w, config, "prefix_hit_tokens_total", "prefix_query_tokens_total")
+    last = w.last
+    capacity, reserve, running = last.capacity_tokens, last.decode_reserve_ratio, last.running
     missing = [name for name, v in (("tokens per request", prompt), ("prefix hit ratio", hit)) if v is None]
-    if np.isnan(capacity).all():
+    if not capacity:
         missing.insert(0, "pool capacity")
-    if missing or prompt is None or hit is None:  # (the last two only narrow the types)
-        zeros = np.zeros(len(usage))
-        return AdmissionUsage(ts, usage, usage, zeros, prompt, output, hit, reserve_last, "usage only: no " + ", ".join(missing))
-
-    need = np.full(len(usage), prompt * (1.0 - hit))
+    usage_last = float(usage[-1]) if len(usage) else float("nan")
+    if missing or prompt is None or hit is None or not capacity:  # (the last three only narrow the types)
+        basis = "usage only: no " + ", ".join(missing)
+        return AdmissionUsage(ts, usage, 0.0, 0.0, usage_last, prompt, output, hit, reserve, basis)
+    need = prompt * (1 - hit)
     basis = "usage and uncached prompt"
-    if output is not None and not np.isnan(reserve).all():  # the engine reserves output
+    if output is not None and reserve is not None and running is not None:  # the engine reserves output
+        clip = _output_clip(window.engine)
         charged = min(output, clip) if clip else output
-        need += np.nan_to_num(charged * (1.0 + reserve * running))
+        need = need + charged * (1 + reserve * running)
         basis = "usage, uncached prompt and output reserve"
-    admission = np.where(np.isnan(capacity), usage, np.minimum(1.0, usage + need / capacity))
-    return AdmissionUsage(ts, usage, admission, need, prompt, output, hit, reserve_last, basis)
+    ratio = need / capacity
+    return AdmissionUsage(ts, usage, need, ratio, min(1.0, usage_last + ratio), prompt, output, hit, reserve, basis)
 
 
-def _hit_ratio(window: Window, config: Config) -> float | None:
-    """The prefix hit ratio over the span, from counters only (as the PromQL twin reads it)."""
-    if not (window.has("prefix_query_tokens_total") and window.has("prefix_hit_tokens_total")):
+def _rate(w: Window, config: Config, field: str) -> float | None:
+    ts, vals = w.points(field)
+    return stats.rate(ts, vals, w.end, config.window)
+
+
+def _per_request(w: Window, config: Config, field: str) -> float | None:
+    """Tokens per finished request, ``rate(tokens) / (rate(requests) > 0)``."""
+    requests = _rate(w, config, "requests_total")
+    tokens = _rate(w, config, field)
+    return tokens / requests if requests and tokens is not None else None
+
+
+def _ratio(w: Window, config: Config, num: str, den: str) -> float | None:
+    """``rate(num) / rate(den)``; None where PromQL has no number (absent, or 0 / 0)."""
+    n, d = _rate(w, config, num), _rate(w, config, den)
+    if n is None or d is None or (n == 0 and d == 0):
         return None
-    return counter_ratio(window, config, "prefix_hit_tokens_total", "prefix_query_tokens_total")[1]
+    return n / d if d else None
 
 
 def _output_clip(engine: str) -> int | None:

@@ -110,9 +110,11 @@ SERIES = {
     s.name: s
     for s in (
         Series("instance:kvdiag_kv_usage:ratio", "usage_ratio", "active (non-evictable) KV usage 0-1; max over TP ranks"),
+        Series("instance:kvdiag_kv_admission_need:ratio{window}", "usage_ratio",
+               "the room the next admission needs beyond the usage gauge (uncached prompt; output and the running "
+               "requests' output reserve where the engine reserves it) over capacity; 0 where an input is missing"),
         Series("instance:kvdiag_kv_admission_usage:ratio{window}", "usage_ratio",
-               "usage + the room the next admission needs (uncached prompt; output and the running requests' "
-               "output reserve where the engine reserves it) over capacity, at most 1; else usage"),
+               "usage + admission need, at most 1 (what admission counts as taken now)"),
         Series("instance:kvdiag_waiting:requests", "waiting", "requests in the waiting queue; max over TP ranks"),
         Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
         Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
@@ -129,28 +131,36 @@ CHECKS = (
         "kv_usage_saturated",
         "S",
         "KV pool pinned near full, as admission counts it",
-        "admission usage (active usage + the room the next admission needs) >= {saturated_usage} "
-        "in >= {saturated_fraction} of the window's samples and at its end",
-        ("window", "saturated_usage", "saturated_fraction"),
+        "usage + the room the next admission needs >= {saturated_usage}: at every sample of the last "
+        "{saturated_short_window} (short window), or in >= {saturated_fraction} of the {window} window "
+        "(its 1 - saturated_fraction quantile) and at its end (long window)",
+        ("window", "saturated_usage", "saturated_fraction", "saturated_short_window"),
         ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
          "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total"),
         False,
-        "avg_over_time((instance:kvdiag_kv_admission_usage:ratio{window} >= bool {saturated_usage})[{window}:])"
-        " >= {saturated_fraction} and instance:kvdiag_kv_admission_usage:ratio{window} >= {saturated_usage}",
+        "min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}])"
+        " + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage}"
+        " or (quantile_over_time({saturated_quantile}, instance:kvdiag_kv_usage:ratio[{window}])"
+        " + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage}"
+        " and instance:kvdiag_kv_usage:ratio + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage})",
     ),
     CheckSpec(
         "queue_growing",
         "Q",
         "waiting queue growing",
-        "waiting > 0 at the end and a robust (Theil-Sen) slope > {queue_growth_per_min}/min, "
-        "or waiting >= {backlog_ratio} x running with a slope >= 0 (a backlog not draining)",
-        ("window", "queue_growth_per_min", "backlog_ratio", "min_samples"),
+        "waiting > 0 and either it stands >= max({queue_min_growth}, {queue_growth_ratio} x running) above its "
+        "minimum of the last {queue_short_window} with a positive least-squares slope over {window}, or it is "
+        ">= max({queue_min_growth}, {backlog_ratio} x running) with a slope >= 0 over {queue_short_window} "
+        "(a backlog not draining)",
+        ("window", "queue_short_window", "queue_min_growth", "queue_growth_ratio", "backlog_ratio", "min_samples"),
         ("waiting", "running"),
         True,
         "instance:kvdiag_waiting:requests > 0 and ("
-        "deriv(instance:kvdiag_waiting:requests[{window}]) > {queue_growth_per_s}"
-        " or (instance:kvdiag_waiting:requests >= {backlog_ratio} * instance:kvdiag_running:requests"
-        " and deriv(instance:kvdiag_waiting:requests[{window}]) >= 0))",
+        "(instance:kvdiag_waiting:requests - min_over_time(instance:kvdiag_waiting:requests[{queue_short_window}])"
+        " >= clamp_min({queue_growth_ratio} * instance:kvdiag_running:requests, {queue_min_growth})"
+        " and deriv(instance:kvdiag_waiting:requests[{window}]) > 0)"
+        " or (instance:kvdiag_waiting:requests >= clamp_min({backlog_ratio} * instance:kvdiag_running:requests, {queue_min_growth})"
+        " and deriv(instance:kvdiag_waiting:requests[{queue_short_window}]) >= 0))",
     ),
     CheckSpec(
         "evictions_growing",
@@ -190,7 +200,7 @@ CHECKS = (
         "L2 underused while L1 is saturated",
         "L2 occupancy < {l2_low_occupancy} or L2 hits < {l2_low_hit_share} of queried tokens, "
         "while kv_usage_saturated fires (only where an L2 tier is reported)",
-        ("window", "l2_low_occupancy", "l2_low_hit_share", "saturated_usage", "saturated_fraction"),
+        ("window", "l2_low_occupancy", "l2_low_hit_share", "saturated_usage", "saturated_fraction", "saturated_short_window"),
         ("l2_capacity_tokens", "l2_used_tokens", "l2_hit_tokens_total", "usage_ratio"),
         False,
         "(instance:kvdiag_l2_usage:ratio < {l2_low_occupancy}"

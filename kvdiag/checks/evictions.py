@@ -5,15 +5,17 @@ and the new value counts as evictions since the restart), never from the last-ev
 some versions export: that gauge holds the size of the most recent event and cannot be rated.
 A counter an engine only creates on first use arrives from the adapter as a derived zero.
 
-PromQL: ``increase(evictions_total[5m]) >= 1`` (the rules sum per-instance ``rate()``).
+The increase is PromQL's (``kvdiag.checks.stats``: every drop a reset, extrapolated to the
+window's edges), so the rule ``instance:kvdiag_evictions:rate5m * 300 >= 1`` is this check.
 """
 
 from __future__ import annotations
 
+from kvdiag.checks import stats
 from kvdiag.checks.base import absent, needs_window, result, span, too_short
 from kvdiag.config import Config
 from kvdiag.model import CheckResult
-from kvdiag.window import Window, count_resets, counter_increase
+from kvdiag.window import Window, count_resets
 
 NAME = "evictions_growing"
 
@@ -34,7 +36,8 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         return absent(NAME, window, ("evictions_total",), why)
     if too_short(ts, config):
         return needs_window(NAME, ts, config, {"evictions_total": float(total[-1])})
-    increase = counter_increase(total)
+    rate = stats.rate(ts, total, window.end, config.window)
+    increase = 0.0 if rate is None else rate * config.window
     resets = count_resets(total)
     minutes = (ts[-1] - ts[0]) / 60.0
     values = {

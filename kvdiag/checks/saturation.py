@@ -2,24 +2,30 @@
 
 Both engines' usage gauges exclude evictable prefix-cache entries, so usage near 1 means the
 pool is held by running requests, however high the hit rate. What decides admission is the
-room left against what the next request needs, so the check reads *admission usage*
-(``checks/admission.py``): the usage gauge plus the next request's uncached prompt and, on an
-engine whose admission reserves output, the room held back for it. On an engine without such a
-reserve this is the usage gauge within a prompt's share of the pool.
+room left against what the next request needs, so the check adds to the usage gauge the
+share of the pool the next admission needs now (``checks/admission.py``: the uncached prompt
+and, on an engine whose admission reserves output, the room held back for it).
 
-"Pinned" is a share of samples, not one reading: admission usage >= ``saturated_usage`` in at
-least ``saturated_fraction`` of the span's samples and at its end. A spike at the end of the
-window is therefore not a pinned pool.
+Two windows, as in the multiwindow alerts of the SRE workbook, so that the check is right
+early and a blip is not a pinned pool:
 
-PromQL: ``avg_over_time((admission >= bool 0.95)[5m:]) >= 0.8 and admission >= 0.95`` over
-``instance:kvdiag_kv_admission_usage:ratio5m``. On a single exposition the share is that one
-reading (a point-in-time answer).
+- **short** (``saturated_short_window``, 20 s): the usage gauge's minimum over it, plus the
+  need, reaches ``saturated_usage``: pinned at every scrape of the last seconds. This names a
+  pool that filled within a few scrapes of it filling;
+- **long** (``window``, 5 m): the ``1 - saturated_fraction`` quantile of usage over it, plus the
+  need, reaches ``saturated_usage`` (pinned in at least ``saturated_fraction`` of the span), and
+  so does the newest sample: a pool that stays pinned with short dips.
+
+Either fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
+``instance:kvdiag_kv_admission_need:ratio5m``::
+
+    min_over_time(usage[20s]) + need >= 0.95
+    or (quantile_over_time(0.2, usage[5m]) + need >= 0.95 and usage + need >= 0.95)
 """
 
 from __future__ import annotations
 
-import numpy as np
-
+from kvdiag.checks import stats
 from kvdiag.checks.admission import admission_usage
 from kvdiag.checks.base import absent, result
 from kvdiag.config import Config
@@ -29,42 +35,54 @@ from kvdiag.window import Window
 NAME = "kv_usage_saturated"
 
 
+def quantile_level(config: Config) -> float:
+    """The usage quantile the long window reads, as the rules write it (``1 - fraction``)."""
+    return float(config.promql_params()["saturated_quantile"])
+
+
 def evaluate(window: Window, config: Config) -> CheckResult:
     adm = admission_usage(window, config)
-    ts, usage = adm.ts, adm.admission
+    ts, usage = adm.ts, adm.usage
     if len(usage) == 0:
         return absent(NAME, window, ("usage_ratio",))
-    at_or_above = usage >= config.saturated_usage
-    share = float(at_or_above.mean())
+    u = config.saturated_usage
+    short = usage[stats.select(ts, float(ts[-1]), config.saturated_short_window)]
+    short_min = float(short.min())
+    long_q = stats.quantile(quantile_level(config), usage)
+    assert long_q is not None  # usage is not empty
     last = float(usage[-1])
-    firing = share >= config.saturated_fraction and last >= config.saturated_usage
-    first_hit = float(ts[np.argmax(at_or_above)]) if at_or_above.any() else None
+    fast = short_min + adm.need_ratio >= u
+    slow = long_q + adm.need_ratio >= u and last + adm.need_ratio >= u
+    share = float((usage + adm.need_ratio >= u).mean())
     values = {
-        "admission_usage_last": last,
-        "admission_usage_mean": float(usage.mean()),
-        "admission_usage_max": float(usage.max()),
-        "usage_last": float(adm.usage[-1]),
-        "usage_mean": float(adm.usage.mean()),
-        "usage_max": float(adm.usage.max()),
-        "need_tokens_last": float(adm.need_tokens[-1]),
+        "admission_usage_last": adm.admission,
+        "usage_last": last,
+        "usage_mean": float(usage.mean()),
+        "usage_max": float(usage.max()),
+        "usage_short_min": short_min,
+        "usage_long_quantile": long_q,
+        "need_ratio_last": adm.need_ratio,
+        "need_tokens_last": adm.need_tokens,
         "prompt_per_request": adm.prompt_per_request,
         "output_per_request": adm.output_per_request,
         "hit_ratio": adm.hit_ratio,
         "reserve_ratio_last": adm.reserve_ratio,
         "admission_basis": adm.basis,
         "share_at_or_above": share,
-        "threshold": config.saturated_usage,
+        "short_window_pinned": fast,
+        "long_window_pinned": slow,
+        "threshold": u,
         "required_share": config.saturated_fraction,
-        "first_at_or_above": first_hit,
         "granularity": window.last.usage_granularity,
     }
     point = " (one sample: a point-in-time reading)" if len(usage) == 1 else ""
     summary = (
-        f"admission usage >= {config.saturated_usage:g} in {share:.0%} of {len(usage)} samples "
-        f"(>= {config.saturated_fraction:.0%} needed), {last:.2f} at the end{point}"
+        f"admission usage {adm.admission:.2f} now{point}; usage + need >= {u:g} at every sample of the last "
+        f"{config.saturated_short_window:g}s: {'yes' if fast else 'no'} (min {short_min + adm.need_ratio:.2f}), in "
+        f"{share:.0%} of the {config.window:g}s window ({config.saturated_fraction:.0%} needed)"
     )
-    if adm.need_tokens[-1] > 0:
-        summary += f" (usage gauge {adm.usage[-1]:.2f} + {adm.need_tokens[-1]:,.0f} tokens the next admission needs)"
-    if not firing and last >= config.saturated_usage:
+    if adm.need_tokens > 0:
+        summary += f" (usage gauge {last:.2f} + {adm.need_tokens:,.0f} tokens the next admission needs)"
+    if not (fast or slow) and adm.admission >= u:
         summary += "; a spike at the end, not a pinned pool"
-    return result(NAME, firing, ts, values, summary)
+    return result(NAME, fast or slow, ts, values, summary)

@@ -80,8 +80,9 @@ def _usage_note(verdict: str, checks: Mapping[str, CheckResult], config: Config)
             f". Usage reached {peak:.2f} without being pinned (>= {config.high_usage:g}): admission that "
             f"reserves KV for running requests' future output{reserve} can block below a pinned gauge"
         )
-    admission_peak = s.evidence.values.get("admission_usage_max")
-    if verdict == "l1_kv_pressure" and isinstance(admission_peak, float) and admission_peak >= config.saturated_usage:
+    need = s.evidence.values.get("need_ratio_last")
+    admission_peak = min(1.0, peak + need) if isinstance(need, float) else peak
+    if verdict == "l1_kv_pressure" and admission_peak >= config.saturated_usage:
         share = s.evidence.values.get("share_at_or_above")
         return f". Admission usage touched {admission_peak:.2f} but stayed >= {config.saturated_usage:g} in only {share:.0%} of samples: a short spike is pressure, not a pinned pool"
     return ""

@@ -1,25 +1,31 @@
 """``kvdiag validate``: score the checklist against the reference pool's ground truth.
 
 Runs every scenario on both reference engines, reads the emitted metrics back through kvdiag's
-adapters, diagnoses them with the real checklist over sliding windows, and compares each final
-verdict with the label the simulator's own records imply (``kvdiag.refpool.validate``). Prints a
-confusion matrix and, for L1 scenarios, how long after the ground-truth onset the checklist
-first named L1 and how long after it P99 TTFT crossed the SLO. Exit 0 when every verdict is
-right, 1 otherwise, 3 on a usage error.
+adapters, diagnoses them with the real checklist at every scrape (sliding windows, as the
+exporter would), and scores each verdict against what the simulator's own state says limits
+the engine at that instant (``kvdiag.refpool.validate``): instants right, misleading (pointing
+away from a pool that limits) and false alarms (naming L1 while it does not), the first instant
+L1 is named against the onset and the SLO breach, and the final verdict. Runs go to worker
+processes, one per core; a progress bar on a terminal, one plain line per run when piped.
+Exit 0 when every final verdict and every scored instant is right (so no misleading and no
+false-alarm instant), 1 otherwise, 3 on a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Callable
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvdiag import config as cfg
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, get
 from kvdiag.refpool.sim import tune_gc
-from kvdiag.refpool.validate import Report, validate
+from kvdiag.refpool.validate import GRACE_S, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, validate
 from kvdiag.report.json import dumps
 
 EXIT_ERROR = 3
@@ -28,8 +34,9 @@ EXIT_ERROR = 3
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "validate",
-        help="run every scenario on both reference engines and score the verdicts against ground truth",
-        description="Exit code: 0 when every verdict matches its ground truth, 1 otherwise, 3 on an error.",
+        help="run every scenario on both reference engines and score the verdicts against ground truth, instant by instant",
+        description="Exit code: 0 when every final verdict and every scored instant matches its ground truth "
+        "(no misleading, no false-alarm instant), 1 otherwise, 3 on an error.",
     )
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="only this scenario (repeatable)")
     p.add_argument("--engine", action="append", choices=ENGINES, help="only this engine (repeatable)")
@@ -37,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=float, help="re-size every scenario's pool (deployment memory fraction, default 0.9)")
     p.add_argument("--config", metavar="YAML", help="thresholds file (its 'checks:' section)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
+    p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print the JSON scores only")
     return p
 
@@ -50,14 +58,48 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         print("kvdiag validate: --interval must be > 0", file=sys.stderr)
         return EXIT_ERROR
+    if args.jobs < 0:
+        print("kvdiag validate: --jobs must be >= 0", file=sys.stderr)
+        return EXIT_ERROR
     scenarios = [get(name, args.mem_fraction) for name in (args.scenario or SCENARIOS)]
+    engines = args.engine or list(ENGINES)
+    jobs = args.jobs or len(os.sched_getaffinity(0))
     tune_gc()
-    report = validate(scenarios, args.engine or ENGINES, config, args.interval)
+    total = len(scenarios) * len(engines)
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with Progress(TextColumn("validate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:  # fmt: skip
+            task = bar.add_task("", total=total)
+
+            def tick(scenario: str, engine: str, results: list[Result]) -> None:
+                bar.update(task, advance=1, description=f"{scenario} on {engine}: {_outcome(results)}")
+
+            report = validate(scenarios, engines, config, args.interval, jobs, tick)
+    else:
+        report = validate(scenarios, engines, config, args.interval, jobs, _plain(total))
     if args.json:
         print(dumps(report.as_json(), indent=2))
     else:
         render(Console(width=None if sys.stdout.isatty() else 200), report)
-    return 0 if report.correct == len(report.results) else 1
+    return 0 if report.ok else 1
+
+
+def _outcome(results: list[Result]) -> str:
+    bad = sum(r.misleading + r.false_alarms for r in results)
+    return "ok" if all(r.clean for r in results) else f"{bad} misleading/false-alarm instants" if bad else "wrong verdicts"
+
+
+def _plain(total: int) -> Callable[[str, str, list[Result]], None]:
+    """One line per finished run on stderr, for logs and pipes (no terminal control codes)."""
+    count = 0
+
+    def tick(scenario: str, engine: str, results: list[Result]) -> None:
+        nonlocal count
+        count += 1
+        print(f"validate [{count}/{total}] {scenario} on {engine}: {_outcome(results)}", file=sys.stderr, flush=True)
+
+    return tick
 
 
 def _s(v: float | None) -> str:
@@ -65,28 +107,42 @@ def _s(v: float | None) -> str:
 
 
 def render(console: Console, report: Report) -> None:
-    table = Table(title="kvdiag validate: checklist verdicts against reference-pool ground truth")
-    for col in ("scenario", "engine", "expected (truth)", "verdict", "", "onset", "L1 named", "SLO breach", "exact verdict", "KV-blocked", "evictions"):
-        table.add_column(col, justify="right" if col in ("onset", "KV-blocked", "evictions") else "left", overflow="fold")
+    table = Table(title="kvdiag validate: checklist verdicts against reference-pool ground truth, instant by instant")
+    cols = ("scenario", "engine", "final truth", "final verdict", "", "instants right", "misleading", "false alarms",
+            "onset", "L1 named", "SLO breach", "KV-blocked", "evictions")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right" if col in ("onset", "KV-blocked", "evictions", "instants right", "misleading", "false alarms") else "left", overflow="fold")
     for r in report.results:
         t = r.truth
         table.add_row(
             r.name, r.engine, r.expected, r.verdict,
-            "[green]ok[/green]" if r.correct else "[red]WRONG[/red]",
+            "[green]ok[/green]" if r.clean else "[red]WRONG[/red]",
+            f"{r.right}/{len(r.scored)}", _n(r.misleading), _n(r.false_alarms),
             "-" if t.onset is None else f"{t.onset:.0f}s",
-            _s(r.since_onset(r.detected)), _s(r.since_onset(t.slo_breach)), _s(r.since_onset(r.exact)),
+            _s(r.since_onset(r.detected)), _s(r.since_onset(t.slo_breach)),
             f"{t.kv_blocked_share:.0%}", str(t.evictions),
         )  # fmt: skip
     console.print(table)
-    console.print("onset: ground-truth start of the L1 bottleneck (simulated s); L1 named / SLO breach / exact verdict: seconds after it")
-    matrix = report.confusion()
-    cm = Table(title="confusion matrix (rows: expected, columns: verdict)")
-    cm.add_column("expected \\ verdict", overflow="fold")
-    for v in matrix:
-        cm.add_column(v, justify="right", overflow="fold")
-    for e, row in matrix.items():
-        cm.add_row(e, *(str(n) if n else "." for n in row.values()))
-    console.print(cm)
+    console.print(
+        f"instants: every scrape from {SCORED_FROM_S:g}s on, against the truth over the {TRUTH_SPAN_S:g}s before it, except "
+        f"{GRACE_S:g}s after each change of truth; onset: ground-truth start of the L1 bottleneck (simulated s); "
+        "L1 named / SLO breach: seconds after it"
+    )
+    for r in report.results:
+        wrong = [i for i in r.scored if not i.right]
+        if wrong:
+            shown = ", ".join(f"{i.t:.0f}s {i.verdict} (truth {i.truth})" for i in wrong[:4])
+            console.print(f"[red]{r.name} on {r.engine}[/red]: {len(wrong)} wrong instants: {shown}{' ...' if len(wrong) > 4 else ''}")
     early = [r for r in report.results if r.truth.onset is not None]
-    before = sum(1 for r in early if r.detected is not None and (r.truth.slo_breach is None or r.detected <= r.truth.slo_breach))
-    console.print(f"{report.correct}/{len(report.results)} verdicts right; L1 named before the SLO breach in {before}/{len(early)} L1 scenarios")
+    before = sum(bool(r.named_before_breach) for r in early)
+    scored = sum(len(r.scored) for r in report.results)
+    right = sum(r.right for r in report.results)
+    console.print(
+        f"{report.correct}/{len(report.results)} final verdicts right; {right}/{scored} scored instants right, "
+        f"{report.misleading} misleading, {report.false_alarms} false alarms; "
+        f"L1 named before the SLO breach in {before}/{len(early)} L1 scenarios"
+    )
+
+
+def _n(v: int) -> str:
+    return "[red]" + str(v) + "[/red]" if v else "0"

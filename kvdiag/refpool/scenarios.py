@@ -295,6 +295,50 @@ SCENARIOS: dict[str, Scenario] = {
             duration=330.0,
             intent_by_engine={"sglang": ("l1_kv_pressure", "healthy")},
         ),
+        Scenario(
+            "ramp-slow",
+            "The seed's load ramping slowly, 1 to 10 req/s over two minutes: L1 fills late and gradually; "
+            "the checks must name it once admission blocks, not before (no false alarm on the way up).",
+            ("l1_kv_bottleneck",),
+            (_chat(Ramp(((0.0, 1.0), (20.0, 1.0), (140.0, 10.0))), seed=21),),
+            duration=330.0,
+            intent_by_engine={"sglang": ("l1_kv_pressure",)},
+        ),
+        Scenario(
+            "ramp-fast",
+            "A flash crowd: 1 req/s jumps to 40 req/s within five seconds at +30 s. L1 pins at once and the queue "
+            "explodes, so P99 TTFT breaches the SLO within seconds of the pool pinning: L1 must be named within "
+            "a few scrapes. Even SGLang's admission reserve cannot keep up: it retracts too.",
+            ("l1_kv_bottleneck",),
+            (_chat(Ramp(((0.0, 1.0), (30.0, 1.0), (35.0, 40.0))), seed=22),),
+            duration=240.0,
+        ),
+        Scenario(
+            "noisy-healthy",
+            "Short requests arriving in Poisson bursts at a moderate load: the queue wanders between 0 and a few "
+            "requests and the pool has room. Jitter, not a trend: healthy at every instant.",
+            ("healthy",),
+            (Workload(Poisson(6.0), LogNormal(300, 0.5, hi=1500), LogNormal(80, 0.5, hi=400), seed=24),),
+            duration=300.0,
+        ),
+        Scenario(
+            "restart-light",
+            "A light load (1 req/s) and an engine restart at +150 s: counters and gauges start again from zero, "
+            "which must read as neither evictions nor a queue.",
+            ("healthy",),
+            (_chat(Poisson(1.0), seed=25),),
+            duration=300.0,
+            restart_at=150.0,
+        ),
+        Scenario(
+            "recovery",
+            "The seed's overload (1 to 14 req/s, 20-60 s) held until +120 s, then the load falls to 0.5 req/s: the "
+            "queue drains and the pool empties. L1 while it binds, healthy again within a minute of the recovery "
+            "(the evictions still in the window are transient by then).",
+            ("healthy",),
+            (_chat(Ramp(((0.0, 1.0), (20.0, 1.0), (60.0, 14.0), (120.0, 14.0), (130.0, 0.5))), seed=26),),
+            duration=360.0,
+        ),
     )
 }
 

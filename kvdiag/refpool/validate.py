@@ -12,7 +12,8 @@ span the final verdict is judged on (the last ``Config.window`` seconds of the r
 * **L1 binds**: admission refused a waiting request for lack of KV (``StepPlan.blocked_on_kv``)
   during at least half of the span's time.
 * **backlog**: requests wait and the wait does not drain: the true waiting count averages at least
-  one request over the span's last third, and no less than over its first third.
+  ``QUEUE_FLOOR`` (5) requests over the span (fewer is the jitter of arrivals), and no less over its
+  last third than over its first.
 * **recompute**: at least one running request was retracted / preempted in the span.
 * **full**: the free room (available + evictable) holds less than 10 % more requests of the
   span's mean size (prompt + output) than are running, during at least half of the span's time
@@ -22,6 +23,26 @@ L1 binds: backlog and recompute -> ``l1_kv_bottleneck``; one of them -> ``l1_kv_
 neither -> ``near_kv_capacity``. Otherwise: backlog and recompute -> ``l1_kv_pressure`` (the pool
 ran out often enough to evict); backlog -> ``queue_without_kv_pressure``; full ->
 ``near_kv_capacity``; else ``healthy``.
+
+**The timeline.** The final verdict is one instant; an operator opens kvdiag in the first minutes
+of an incident. So every scrape after the first minute (``SCORED_FROM_S``) is also an evaluation
+instant, scored against the truth *at that instant*, read from the simulator's own step log over
+the trailing ``TRUTH_SPAN_S`` seconds by the same rule as above. The **pool
+limits** at an instant when the truth label there is an L1 one (L1 binds, or requests were
+recomputed while a backlog waits; a recompute with nobody waiting is transient: healthy, with the
+``transient_evictions`` finding). Instants in the ``GRACE_S`` seconds after a change of truth are
+not scored (a check needs a few scrapes to see a change), nor those in the ``TRUTH_SPAN_S``
+before one (the trailing truth lags the mechanism by up to its span).
+At a scored instant the verdict is
+
+* **right** when it is one the truth accepts: either L1 verdict for an L1 label (which of the two
+  depends on whether an eviction fell in the checks' 5-minute window, not on what limits the
+  engine now), ``queue_without_kv_pressure`` for a queue without KV pressure, and ``healthy`` or
+  ``near_kv_capacity`` where nothing limits the engine (both say the pool is not the limit; they
+  differ by a headroom threshold);
+* **misleading** when the pool limits and the verdict is ``healthy`` or
+  ``queue_without_kv_pressure`` (it points away from the pool);
+* a **false alarm** when the pool does not limit and the verdict names L1.
 
 The **onset** of an L1 verdict is the first 5 s bin in which admission was blocked on KV at least
 half of the time and that stays blocked on average until the end. The **SLO breach** is the first
@@ -33,8 +54,9 @@ whose window the checklist judged ``l1_kv_bottleneck`` or ``l1_kv_pressure``.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -43,7 +65,7 @@ from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import PoolSample
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, Scenario, ScenarioRun
-from kvdiag.refpool.sim import EPOCH, Simulation
+from kvdiag.refpool.sim import EPOCH, Simulation, tune_gc
 from kvdiag.window import Window
 
 L1_VERDICTS = ("l1_kv_bottleneck", "l1_kv_pressure")
@@ -52,6 +74,19 @@ BIN_S = 5.0  # onset resolution
 P99_SPAN_S = 60.0  # the ground-truth P99's sliding span
 P99_MIN_REQUESTS = 10
 HEADROOM = 0.10  # "full": less than 10 % more requests would fit
+SCORED_FROM_S = 60.0  # instants before this are not scored (the checks' windows are filling)
+TRUTH_SPAN_S = 30.0  # the trailing span the truth at an instant is read over
+GRACE_S = 30.0  # after a change of truth, instants are not scored for this long
+QUEUE_FLOOR = 5.0  # a true queue averaging fewer requests is jitter, not a backlog
+#: Verdicts each truth label accepts at an instant (module docstring).
+ACCEPTS = {
+    "l1_kv_bottleneck": frozenset(L1_VERDICTS),
+    "l1_kv_pressure": frozenset(L1_VERDICTS),
+    "near_kv_capacity": frozenset({"near_kv_capacity", "healthy"}),
+    "queue_without_kv_pressure": frozenset({"queue_without_kv_pressure"}),
+    "healthy": frozenset({"healthy", "near_kv_capacity"}),
+}
+MISLEADING = frozenset({"healthy", "queue_without_kv_pressure"})
 
 
 @dataclass(frozen=True)
@@ -68,6 +103,29 @@ class Truth:
 
 
 @dataclass(frozen=True)
+class Instant:
+    """One evaluation instant: the truth then, and the verdict of the window ending then."""
+
+    t: float  # simulated seconds
+    truth: str
+    pool_limits: bool  # the truth label is an L1 one
+    verdict: str
+    scored: bool  # after the first minute and outside the grace after a change of truth
+
+    @property
+    def right(self) -> bool:
+        return self.verdict in ACCEPTS[self.truth]
+
+    @property
+    def misleading(self) -> bool:
+        return self.scored and self.pool_limits and self.verdict in MISLEADING
+
+    @property
+    def false_alarm(self) -> bool:
+        return self.scored and not self.pool_limits and self.verdict in L1_VERDICTS
+
+
+@dataclass(frozen=True)
 class Result:
     """One instance of one scenario on one engine: truth against the checklist."""
 
@@ -79,10 +137,39 @@ class Result:
     detected: float | None  # first L1 verdict, simulated seconds
     exact: float | None  # first window judged exactly ``expected``
     wall_s: float
+    instants: tuple[Instant, ...] = ()
 
     @property
     def correct(self) -> bool:
         return self.verdict == self.expected
+
+    @property
+    def scored(self) -> list[Instant]:
+        return [i for i in self.instants if i.scored]
+
+    @property
+    def right(self) -> int:
+        return sum(i.right for i in self.scored)
+
+    @property
+    def misleading(self) -> int:
+        return sum(i.misleading for i in self.instants)
+
+    @property
+    def false_alarms(self) -> int:
+        return sum(i.false_alarm for i in self.instants)
+
+    @property
+    def clean(self) -> bool:
+        """Right at the end and at every scored instant."""
+        return self.correct and self.right == len(self.scored)
+
+    @property
+    def named_before_breach(self) -> bool | None:
+        """L1 named no later than the SLO breach (None where the truth has no L1 onset)."""
+        if self.truth.onset is None:
+            return None
+        return self.detected is not None and (self.truth.slo_breach is None or self.detected <= self.truth.slo_breach)
 
     def since_onset(self, t: float | None) -> float | None:
         return None if t is None or self.truth.onset is None else round(t - self.truth.onset, 1)
@@ -96,6 +183,17 @@ class Result:
             "correct": self.correct,
             "detection_delay_s": self.since_onset(self.detected),
             "slo_breach_s": self.since_onset(self.truth.slo_breach),
+            "onset_s": self.truth.onset,
+            "first_l1_s": self.detected,
+            "slo_breach_at_s": self.truth.slo_breach,
+            "named_before_breach": self.named_before_breach,
+            "instants": {
+                "scored": len(self.scored),
+                "right": self.right,
+                "misleading": self.misleading,
+                "false_alarms": self.false_alarms,
+                "wrong": [{"t": i.t, "truth": i.truth, "verdict": i.verdict} for i in self.scored if not i.right],
+            },
         }
 
 
@@ -107,8 +205,35 @@ class Report:
     def correct(self) -> int:
         return sum(r.correct for r in self.results)
 
+    @property
+    def misleading(self) -> int:
+        return sum(r.misleading for r in self.results)
+
+    @property
+    def false_alarms(self) -> int:
+        return sum(r.false_alarms for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        """What the exit code says: every final verdict and every scored instant right, so no
+        misleading and no false-alarm instant."""
+        return all(r.clean for r in self.results)
+
     def as_json(self) -> dict[str, object]:
-        return {"scenarios": [r.as_json() for r in self.results], "correct": self.correct, "total": len(self.results)}
+        scored = sum(len(r.scored) for r in self.results)
+        return {
+            "scenarios": [r.as_json() for r in self.results],
+            "correct": self.correct,
+            "total": len(self.results),
+            "instants": {
+                "scored": scored,
+                "right": sum(r.right for r in self.results),
+                "misleading": self.misleading,
+                "false_alarms": self.false_alarms,
+            },
+            "scoring": {"scored_from_s": SCORED_FROM_S, "truth_span_s": TRUTH_SPAN_S, "grace_s": GRACE_S},
+            "ok": self.ok,
+        }
 
     def confusion(self) -> dict[str, dict[str, int]]:
         """expected -> verdict -> count, over the labels that occur."""
@@ -125,26 +250,68 @@ def _weighted_share(flags: np.ndarray, weights: np.ndarray) -> float:
     return float((flags * weights).sum() / total) if total > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class SpanTruth:
+    """What the simulator's step log says about one span of time."""
+
+    label: str
+    pool_limits: bool  # an L1 label: L1 binds, or requests were recomputed while a backlog waits
+    kv_blocked_share: float
+    evictions: int
+    backlog: bool
+    full_share: float
+
+
+class TruthReader:
+    """The simulator's step log and finished requests as arrays, read span by span."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.steps = sim.steps.arrays()
+        done = sorted((r.finished, r.prompt_tokens + r.output_tokens) for r in sim.records if r.finished is not None)
+        self.finished = np.array([f for f, _ in done], dtype=float)
+        self.sizes = np.array([n for _, n in done], dtype=float)
+        self.capacity = sim.state().capacity_tokens
+
+    def span(self, start: float, end: float) -> SpanTruth:
+        """The truth over the steps that started in ``[start, end)`` (module docstring)."""
+        st = self.steps
+        lo, hi = np.searchsorted(st["start"], [start, end], side="left")
+        dur = st["duration"][lo:hi]
+        kv_blocked = _weighted_share(st["blocked_on_kv"][lo:hi], dur)
+        evictions = int(st["evicted"][lo:hi].sum())
+        waiting = st["waiting"][lo:hi].astype(float)
+        third = max(1, len(waiting) // 3)
+        backlog = bool(len(waiting)) and waiting.mean() >= QUEUE_FLOOR and waiting[-third:].mean() >= waiting[:third].mean()
+        a, b = np.searchsorted(self.finished, [start, end], side="left")
+        mean_size = float(self.sizes[a:b].mean()) if b > a else 0.0
+        free_requests = (1.0 - st["usage"][lo:hi]) * self.capacity / max(mean_size, 1.0)
+        full = free_requests < HEADROOM * np.maximum(st["running"][lo:hi], 1)
+        full_share = _weighted_share(full, dur)
+        label = _label(kv_blocked >= 0.5, backlog, evictions > 0, full_share >= 0.5)
+        return SpanTruth(label, label in L1_VERDICTS, kv_blocked, evictions, backlog, full_share)
+
+
 def truth(sim: Simulation, end: float, config: Config) -> Truth:
     """The label the simulator's own records imply for the span ending at ``end`` (module doc)."""
-    steps = sim.steps.arrays()
-    start = end - config.window
-    span = (steps["start"] >= start) & (steps["start"] < end)
-    dur = steps["duration"][span]
-    kv_blocked = _weighted_share(steps["blocked_on_kv"][span], dur)
-    evictions = int(steps["evicted"][span].sum())
-    waiting = steps["waiting"][span].astype(float)
-    third = max(1, len(waiting) // 3)
-    backlog = bool(len(waiting)) and waiting[-third:].mean() >= max(1.0, waiting[:third].mean())
-    done = [r for r in sim.records if r.finished is not None and start <= r.finished < end]
-    mean_size = float(np.mean([r.prompt_tokens + r.output_tokens for r in done])) if done else 0.0
-    capacity = sim.state().capacity_tokens
-    free_requests = (1.0 - steps["usage"][span]) * capacity / max(mean_size, 1.0)
-    full = free_requests < HEADROOM * np.maximum(steps["running"][span], 1)
-    full_share = _weighted_share(full, dur)
-    label = _label(kv_blocked >= 0.5, backlog, evictions > 0, full_share >= 0.5)
-    onset = _onset(steps, end) if label in L1_VERDICTS else None
-    return Truth(label, kv_blocked, evictions, backlog, full_share, onset, _slo_breach(sim, end, config.ttft_slo))
+    reader = TruthReader(sim)
+    span = reader.span(end - config.window, end)
+    onset = _onset(reader.steps, end) if span.label in L1_VERDICTS else None
+    return Truth(span.label, span.kv_blocked_share, span.evictions, span.backlog, span.full_share, onset,
+                 _slo_breach(sim, end, config.ttft_slo))
+
+
+def score(reader: TruthReader, timeline: list[tuple[float, str]]) -> tuple[Instant, ...]:
+    """Each (t, verdict) against the truth over the ``TRUTH_SPAN_S`` before ``t``. Instants in
+    the first minute, within ``GRACE_S`` after a change of truth (to a label that accepts other
+    verdicts: bottleneck <-> pressure is no change), or within ``TRUTH_SPAN_S`` before one (the trailing truth lags the mechanism by up to its span: a verdict that already
+    names the coming truth is early, not wrong) are kept but not scored."""
+    spans = [reader.span(t - TRUTH_SPAN_S, t) for t, _ in timeline]
+    changes = [t for (t, _), a, b in zip(timeline[1:], spans, spans[1:]) if ACCEPTS[a.label] != ACCEPTS[b.label]]
+    out = []
+    for (t, verdict), span in zip(timeline, spans):
+        near = any(-TRUTH_SPAN_S <= t - c < GRACE_S for c in changes)
+        out.append(Instant(t, span.label, span.pool_limits, verdict, t >= SCORED_FROM_S and not near))
+    return tuple(out)
 
 
 def _label(l1_binds: bool, backlog: bool, recompute: bool, full: bool) -> str:
@@ -212,12 +379,19 @@ def run_one(scenario: Scenario, engine: str, config: Config, interval: float = 5
     results = []
     for i, instance in enumerate(sorted(by_instance)):
         timeline = verdicts_over_time(by_instance[instance], config)
-        tr = truth(run.sims[i], scenario.duration, config)
+        sim = run.sims[i]
+        tr = truth(sim, scenario.duration, config)
         name = scenario.name if scenario.dp == 1 else f"{scenario.name}/dp{i}"
         results.append(
-            Result(name, engine, tr.label, timeline[-1][1], tr, _first(timeline, L1_VERDICTS), _first(timeline, [tr.label]), wall)
+            Result(name, engine, tr.label, timeline[-1][1], tr, _first(timeline, L1_VERDICTS), _first(timeline, [tr.label]),
+                   wall, score(TruthReader(sim), timeline))
         )
     return results
+
+
+def _job(args: tuple[Scenario, str, Config, float]) -> list[Result]:
+    tune_gc()
+    return run_one(*args)
 
 
 def validate(
@@ -225,11 +399,26 @@ def validate(
     engines: Iterable[str] = ENGINES,
     config: Config | None = None,
     interval: float = 5.0,
+    jobs: int = 1,
+    progress: Callable[[str, str, list[Result]], None] | None = None,
 ) -> Report:
-    """Every scenario (default: the whole catalogue) on every engine."""
+    """Every scenario (default: the whole catalogue) on every engine, ``jobs`` at a time in
+    worker processes (each run is independent); ``progress(scenario, engine, results)`` is
+    called as each finishes. Results keep the catalogue's order whatever finishes first."""
     config = config or Config()
-    report = Report()
-    for scenario in scenarios or SCENARIOS.values():
-        for engine in engines:
-            report.results.extend(run_one(scenario, engine, config, interval))
-    return report
+    work = [(sc, engine, config, interval) for sc in (scenarios or SCENARIOS.values()) for engine in engines]
+    done: dict[int, list[Result]] = {}
+    if jobs <= 1:
+        for k, item in enumerate(work):
+            done[k] = run_one(*item)
+            if progress is not None:
+                progress(item[0].name, item[1], done[k])
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_job, item): k for k, item in enumerate(work)}
+            for fut in as_completed(futures):
+                k = futures[fut]
+                done[k] = fut.result()
+                if progress is not None:
+                    progress(work[k][0].name, work[k][1], done[k])
+    return Report([r for k in range(len(work)) for r in done[k]])

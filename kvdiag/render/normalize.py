@@ -173,9 +173,9 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     def per_request(family: str) -> str:
         return first(
             broadcast(lbl, f"{counter_rate(lbl, S + family, w, partitions=STREAM)}"
-                           f" / {counter_rate(lbl, S + 'num_requests', w, partitions=STREAM)}"),
+                           f" / ({counter_rate(lbl, S + 'num_requests', w, partitions=STREAM)} > 0)"),
             f"{counter_rate(lbl, V + family, w)}"
-            f" / {counter_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))}",
+            f" / ({counter_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))} > 0)",
         )
 
     prompt_avg = add(None, per_request("prompt_tokens"), f"instance:kvdiag_prompt_tokens:avg{w}",
@@ -198,8 +198,9 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     prompt_need = f"{prompt_avg} * (1 - {hit})"
     charged = f"clamp_max({output_avg}, {sglang.OUTPUT_RESERVE_CLIP})"
     output_need = f"({charged} * (1 + {reserve} * {running}) or 0 * {prompt_need})"
-    add("instance:kvdiag_kv_admission_usage:ratio{window}", first(
-        f"clamp_max({usage} + ({prompt_need} + {output_need}) / {capacity}, 1) >= 0",  # >= 0 drops NaN (0/0)
-        usage,
+    need = add("instance:kvdiag_kv_admission_need:ratio{window}", first(
+        f"({prompt_need} + {output_need}) / {capacity} >= 0",  # >= 0 drops NaN (0/0) and -Inf
+        f"0 * {usage}",
     ))
+    add("instance:kvdiag_kv_admission_usage:ratio{window}", f"clamp_max({usage} + {need}, 1)")
     return out

@@ -123,7 +123,7 @@ def test_every_expression_is_valid_promql(tmp_path: Path) -> None:
     """Render every check, verdict and finding expression as an alerting rule and let
     promtool parse it, with default and with changed thresholds."""
     rules = []
-    for i, config in enumerate((Config(), Config(window=600, ttft_slo=2.5, queue_growth_per_min=0.5))):
+    for i, config in enumerate((Config(), Config(window=600, ttft_slo=2.5, queue_min_growth=3, saturated_short_window=30))):
         exprs = {f"check_{c.name}": catalog.check_expr(c.name, config) for c in catalog.CHECKS}
         exprs.update({f"verdict_{n}": catalog.verdict_expr(n, config) for n in catalog.VERDICTS if catalog.verdict_expr(n, config)})
         exprs.update({f"finding_{n}": catalog.finding_expr(n, config) for n in catalog.FINDINGS})

@@ -76,7 +76,9 @@ def test_explain_prints_the_table_and_the_thresholds_in_force(
     out = capsys.readouterr().out
     for needle in ("l1_kv_bottleneck", "KvdiagL1KVPoolBottleneck", "queue_without_kv_pressure", "transient_evictions", "3s", "0.9"):
         assert needle in out
-    assert "admission usage (active usage + the room the next admission needs) >= 0.9 in >= 0.8" in out  # the condition shown with the value in force
+    assert "usage + the room the next admission needs >= 0.9: at every sample of the last 20s" in out  # the condition shown with the value in force
+    for key in ("saturated_short_window", "queue_short_window", "queue_min_growth", "queue_growth_ratio"):
+        assert key in out  # every threshold of the redesigned checks is shown
 
 
 def test_explain_json_carries_promql_with_thresholds(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,7 +88,7 @@ def test_explain_json_carries_promql_with_thresholds(capsys: pytest.CaptureFixtu
     data = json.loads(capsys.readouterr().out)
     assert data["thresholds"]["window"] == "10m"
     s = next(c for c in data["checks"] if c["name"] == "kv_usage_saturated")
-    assert "[10m:]" in s["promql"]
+    assert "quantile_over_time(0.2, instance:kvdiag_kv_usage:ratio[10m])" in s["promql"]
     assert data["verdicts"]["l1_kv_bottleneck"]["alert"] == "KvdiagL1KVPoolBottleneck"
     assert len(data["decision_table"]) == 8
 

@@ -45,7 +45,7 @@ class Eng:
 
 
 BUSY = Eng()
-SATURATED = Eng(usage="0.99", running="48", waiting=f"0+1x{STEPS}", evictions=f"0+1x{STEPS}", slow_ttft=True)
+SATURATED = Eng(usage="0.99", running="48", waiting=f"0+2x{STEPS}", evictions=f"0+1x{STEPS}", slow_ttft=True)
 
 
 @dataclass(frozen=True)
@@ -127,16 +127,16 @@ CASES = (
     Case("sglang escaped names: pressure (pinned + evictions, no queue)", "sglang",
          (Eng(usage="0.99", running="48", evictions=f"0+1x{STEPS}"),), (("KvdiagL1KVPoolPressure", 0),), escaped=True),
     Case("sglang DP: near capacity on one engine, queue without KV pressure on the other", "sglang",
-         (Eng(usage="0.97", running="48", evictions=None), Eng(usage="0.5", waiting=f"0+1x{STEPS}", evictions=None)),
+         (Eng(usage="0.97", running="48", evictions=None), Eng(usage="0.5", waiting=f"0+2x{STEPS}", evictions=None)),
          (("KvdiagKVPoolNearCapacity", 0), ("KvdiagQueueWithoutKVPressure", 1)), dp=True),
     Case("sglang 0.5.3 without the retraction counter: unknown", "sglang",
-         (Eng(usage="0.99", running="48", waiting=f"0+1x{STEPS}", legacy=True),), (("KvdiagEngineMetricsAbsent", 0),)),
+         (Eng(usage="0.99", running="48", waiting=f"0+2x{STEPS}", legacy=True),), (("KvdiagEngineMetricsAbsent", 0),)),
     Case("sglang 0.5.3 idle without the retraction counter: healthy, no alert", "sglang",
          (Eng(usage="0", running="0", requests=f"0x{STEPS}", legacy=True),), ()),
     Case("vllm DP: bottleneck and a slow, cache-healthy engine 0; engine 1 fine", "vllm", (SATURATED, BUSY),
          (("KvdiagL1KVPoolBottleneck", 0), ("KvdiagCacheHealthyButTTFTBad", 0))),
     Case("vllm legacy gpu_* names: queue without KV pressure", "vllm",
-         (Eng(usage="0.4", waiting=f"0+1x{STEPS}", legacy=True),), (("KvdiagQueueWithoutKVPressure", 0),)),
+         (Eng(usage="0.4", waiting=f"0+2x{STEPS}", legacy=True),), (("KvdiagQueueWithoutKVPressure", 0),)),
     Case("vllm restart: the preemption counter resets, no false evictions", "vllm",
          (Eng(usage="0.99", running="48", evictions=f"50x{STEPS - 12} 0x11"),), (("KvdiagKVPoolNearCapacity", 0),)),
     Case("vllm cache healthy, TTFT bad, pool fine", "vllm", (Eng(slow_ttft=True),), (("KvdiagCacheHealthyButTTFTBad", 0),)),
