@@ -334,7 +334,7 @@ def _parse_float(raw: str, text: str, offset: int) -> float:
     """Go's ParseFloat, as Prometheus uses it: Python's float() less digit separators and
     non-ASCII digits, and refusing a finite number beyond float range instead of rounding it
     to infinity (Go's ErrRange; Prometheus fails the scrape)."""
-    if "_" not in raw and raw.isascii():
+    if "_" not in raw and raw.isascii() and raw.strip() == raw:  # float() would skip \r, \v, \f
         try:
             v = float(raw)
         except ValueError:

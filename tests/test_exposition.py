@@ -323,3 +323,64 @@ def test_an_exposition_opening_with_a_brace_is_not_a_recording(tmp_path, capsys:
     assert cli.main(["inspect", "--json", str(path)]) == 0
     [inst] = json.loads(capsys.readouterr().out)["instances"]
     assert inst["running"] == 48 and inst["engine"] == "sglang"
+
+
+# --- conformance-style cases (after the OpenMetrics and client_python parser suites) ---------
+
+TEXT_OK = [
+    ("m 1\n", [({}, 1.0)]),
+    ("m{} 1\n", [({}, 1.0)]),
+    ('m{a="b",} 1\n', [({"a": "b"}, 1.0)]),
+    ('m{ a = "b" , c="d"} 1\n', [({"a": "b", "c": "d"}, 1.0)]),
+    ("m\t1\t1700000000000\n", [({}, 1.0)]),
+    ("\n\n# a comment\n# HELP m with \\\\ and \\n\n# TYPE m gauge\nm -0\n\n", [({}, -0.0)]),
+    ("m +1.5e3\n", [({}, 1500.0)]),
+    ("m .5\n", [({}, 0.5)]),
+    ('m{a="\\u0041"} 1\n', [({"a": "\\u0041"}, 1.0)]),
+    ('m{a="#"} 1\n', [({"a": "#"}, 1.0)]),
+    ("m NaN\n", [({}, math.nan)]),
+    (" \tm 2\n", [({}, 2.0)]),
+    ('{"m"} 3\n', [({}, 3.0)]),
+    ('{"m","a"="b"} 3\n', [({"a": "b"}, 3.0)]),
+]
+
+TEXT_REFUSED = [
+    ("m 1", "truncated"),
+    ("m 1\r\n", "not a number"),
+    ("m 1\x00\n", "not a number"),
+    ('m{a="b"\n', "malformed"),
+    ('m{a="b"} 1 2 3\n', "malformed"),
+    ("m 1\nm 1\n", "duplicate"),
+    ('m{a="1",a="2"} 1\n', "twice"),
+    ("m 1e999\n", "beyond float range"),
+    ('m 1 # {a="b"} 1\n', "exemplars"),
+]
+
+OPENMETRICS_REFUSED = [
+    ("# TYPE m gauge\nm 1\n", "EOF"),
+    ("m 1\n# EOF\nm 2\n# EOF\n", "after '# EOF'"),
+    (" m 1\n# EOF\n", "no blank"),
+]
+
+
+@pytest.mark.parametrize("body, want", TEXT_OK)
+def test_conformance_text_bodies_read_exactly(body: str, want: list) -> None:
+    got = [(s.labels, s.value) for s in Reader(["m"]).read(body).families["m"].samples]
+    assert len(got) == len(want) and all(g[0] == w[0] and _same(g[1], w[1]) for g, w in zip(got, want))
+    try:  # prometheus_client agrees wherever it reads the body at all
+        ref = [(s.labels, s.value) for f in text_string_to_metric_families(body) for s in f.samples if s.name == "m"]
+    except Exception:  # noqa: BLE001
+        return
+    assert len(ref) == len(want) and all(r[0] == w[0] and _same(r[1], w[1]) for r, w in zip(ref, want))
+
+
+@pytest.mark.parametrize("body, reason", TEXT_REFUSED)
+def test_conformance_text_bodies_refused_with_the_reason(body: str, reason: str) -> None:
+    with pytest.raises(ExpositionError, match=reason):
+        Reader(["m"]).read(body)
+
+
+@pytest.mark.parametrize("body, reason", OPENMETRICS_REFUSED)
+def test_conformance_openmetrics_bodies_refused_with_the_reason(body: str, reason: str) -> None:
+    with pytest.raises(ExpositionError, match=reason):
+        Reader(["m"]).read(body, "application/openmetrics-text; version=1.0.0")

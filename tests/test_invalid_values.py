@@ -23,6 +23,7 @@ from kvdiag.server.ring import Ring
 from kvdiag.server.state import InstanceState
 from kvdiag.window import Window, counter_increase, counter_step, count_resets
 from tests.conftest import SGLANG_FIXTURE, VLLM_FIXTURE, shared_fixture
+from tests.server.conftest import raw_server, start_loop  # noqa: F401 (fixtures)
 
 T = "http://10.0.0.1:8000"
 
@@ -229,3 +230,36 @@ def test_histogram_count_decrease_without_restart_is_left_out() -> None:
     w = Window("i", samples)
     assert w.histogram_increase("ttft").count == 20.0  # type: ignore[union-attr]
     assert w.invalid_samples("ttft") == 1
+
+
+# --- the exporter: one target's impossible numbers never take the API down -------------------
+
+
+def test_exporter_api_serves_every_target_when_one_reports_infinite_pool(raw_server, start_loop) -> None:  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvdiag.server.app import create_app
+    from tests.server.conftest import reply, settings_for, wait_for
+
+    bad = _replace(_fixture(SGLANG_FIXTURE), "sglang:max_total_num_tokens", "+Inf")
+    bad = _replace(bad, 'sglang:time_to_first_token_seconds_bucket{engine_type="unified",is_streaming="true",le="0.4"', "NaN")
+    bad_url = raw_server(lambda h: reply(h, 200, bad.encode()))
+    good_url = raw_server(lambda h: reply(h, 200, _fixture(VLLM_FIXTURE).encode()))
+    loop = start_loop(settings_for([bad_url, good_url]))
+    assert wait_for(lambda: all(s.instances and all(i.diagnosis for i in s.instances.values()) for s in loop.snapshot()), timeout=20)
+    client = TestClient(create_app(loop))
+    for path in ("/api/v1/instances", "/api/v1/verdicts", "/"):
+        resp = client.get(path)
+        assert resp.status_code == 200, path
+        if path != "/":
+            strict_loads(resp.text)
+    rows = client.get("/api/v1/instances").json()["instances"]
+    assert len(rows) == 2 and all(r["up"] and r["latest"] is not None for r in rows)  # read, not an error row
+    [sglang] = [r for r in rows if r["instance"] == bad_url]
+    assert sglang["latest"]["capacity_tokens"] is None and "INVALID" in sglang["latest"]["provenance"]["capacity_tokens"]
+    [inst] = [i for i in client.get("/api/v1/verdicts").json()["instances"] if i["engine"] == "sglang"]
+    assert inst["checks"]["ttft_p99_high"]["status"] == "unknown"
+    fams = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    capacity = {s.labels["instance"]: s.value for s in fams["kvdiag_kv_capacity_tokens"].samples}
+    assert bad_url not in capacity and capacity  # absent for the bad target, present for the good one
