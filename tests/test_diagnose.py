@@ -177,3 +177,10 @@ def test_one_target_that_breaks_the_reader_is_its_own_line(tmp_path: Path, capsy
     verdicts = {i["instance"].rsplit("/", 1)[-1]: (i["verdict"], i["reason"]) for i in out["instances"]}
     assert code in (2, 3) and verdicts["bad.prom"][0] == "unknown" and "internal error reading this target: ArithmeticError" in verdicts["bad.prom"][1]
     assert any(v == "l1_kv_bottleneck" for v, _ in verdicts.values())
+
+
+def test_a_down_target_says_its_reason_once(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["diagnose", "http://127.0.0.1:9", "--interval", "0.05", "--timeout", "1"]) == 3
+    captured = capsys.readouterr()
+    assert captured.out.count("connection refused") == 1 and captured.err.count("connection refused") == 1

@@ -28,6 +28,9 @@ def panel(d: Diagnosis) -> Panel:
     head.append(f"{d.engine} {d.model or ''}\n", style="dim")  # here, not in the title: a title is cut to one line
     head.append(f" {d.verdict.name} ", style=style)
     head.append(f"  {d.verdict.reason}")
+    if d.verdict.name == "unknown" and d.checks and all(c.evidence.summary == d.verdict.reason for c in d.checks.values()):
+        # nothing was read (down, not an engine): the reason once, not once per check and remedy
+        return Panel(Group(head, Text("no check could run on this target", style="dim")), title=Text(d.instance), subtitle=_span(d), title_align="left")
     checks = Table(show_header=True, header_style="bold", expand=True, box=None)
     checks.add_column("check", no_wrap=True)
     checks.add_column("status", no_wrap=True)
