@@ -573,7 +573,9 @@ def test_last_request_that_cannot_decode_is_aborted_not_retracted() -> None:
     assert s.stats().num_aborted_requests_total == 1 and not s.waiting_queue
 
 
-def test_batch_is_full_latch_holds_until_a_request_leaves_the_batch() -> None:
+def test_batch_is_full_latch_clears_at_the_next_iteration_after_a_request_leaves() -> None:
+    """0.5.23 filters finished requests at the top of every iteration and clears the latch
+    there, before it tries to admit ("Every step, not only after a merge")."""
     s = SGLangScheduler(200, context_len=1000, debug=True)
     r1 = SimRequest("R1", 0.0, seq(1, 40), 60, 60)
     r3 = SimRequest("R3", 0.0, seq(100, 20), 30, 3)
@@ -588,12 +590,25 @@ def test_batch_is_full_latch_holds_until_a_request_leaves_the_batch() -> None:
     assert kind(plan) == "decode" and plan.blocked_on_kv and s.batch_is_full
     plan, finished = step(s)
     assert kind(plan) == "decode" and finished == [r3]
-    # R3 left, but stays in the batch until the next decode step filters it: the latch skips
-    # admission once more even though the budget (about 99 > 91) would now admit R2.
-    plan, _ = step(s)
-    assert kind(plan) == "decode" and plan.blocked_on_kv and not s.batch_is_full
+    assert s.batch_is_full  # R3 is released but still listed: the flag holds until the filter
+    # The next iteration filters R3 out first, clears the latch, and the budget (about 99 > 91)
+    # admits R2 at once.
     plan, _ = step(s)
     assert [ch.req.rid for ch in plan.chunks] == ["R2"] and not plan.blocked_on_kv
+    assert not s.batch_is_full
+
+
+def test_prefill_batch_that_becomes_the_running_batch_is_not_latched() -> None:
+    """The latch belongs to the batch object: when the running batch is empty, the prefill
+    batch becomes the running batch, and its flag was never set."""
+    s = SGLangScheduler(100, context_len=1000, debug=True)
+    a = SimRequest("A", 0.0, seq(1, 30), 30, 30)
+    b = SimRequest("B", 0.0, seq(100, 30), 30, 30)
+    s.add_request(a)
+    s.add_request(b)  # A fits (30+30+1 < 100); B then does not (remaining 100-61=39 <= 61)
+    plan, _ = step(s)
+    assert [ch.req.rid for ch in plan.chunks] == ["A"] and plan.blocked_on_kv
+    assert not s.batch_is_full  # set on the empty running batch, which A's batch replaced
 
 
 def test_chunked_prefill_through_the_scheduler() -> None:

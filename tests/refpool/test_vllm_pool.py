@@ -330,11 +330,19 @@ def test_max_num_seqs_and_token_budget_block_other() -> None:
     assert not plan.blocked_other
 
 
-def test_long_prefill_token_threshold_chunks_prefill() -> None:
+def test_long_prefill_token_threshold_chunks_prefill_only_beside_another_request() -> None:
+    """vLLM 0.33.0 caps a prefill at the threshold only when another request is running or
+    waiting: a lone request has nobody to starve and takes the whole budget."""
     s = VLLMScheduler(100, long_prefill_token_threshold=4)
     s.add_request(sim("r0", toks(0, 10), out=2))
-    got = [chunks(step(s, t)[0]) for t in range(4)]
-    assert got == [[("r0", 4, 0, True)], [("r0", 4, 4, True)], [("r0", 2, 8, True)], [("r0", 1, 10, False)]]
+    assert chunks(step(s, 0)[0]) == [("r0", 10, 0, True)]
+    s.add_request(sim("r1", toks(50, 10), out=2))
+    got = [chunks(step(s, t)[0]) for t in range(1, 4)]
+    assert got == [
+        [("r0", 1, 10, False), ("r1", 4, 0, True)],  # two requests: r1 capped
+        [("r1", 6, 4, True)],  # r0 finished at its second token: r1 alone, uncapped
+        [("r1", 1, 10, False)],
+    ]
     assert s.requests == {}
 
 

@@ -133,6 +133,7 @@ class SGLangScheduler:
         before = self._l2_counters()
         for _ in range(2):  # an idle iteration costs no forward time: retry admission once
             plan.blocked_on_kv = plan.blocked_other = False
+            self._filter_running_batch()
             batch = self._get_new_batch_prefill(plan)
             if batch:
                 self._prepare_for_extend(batch, plan, now)
@@ -302,19 +303,31 @@ class SGLangScheduler:
             sim.host_hit_tokens = req.host_loaded_length
 
     def _merge_prefill_batch(self, batch: list[Req]) -> None:
-        """Filter finished and chunked requests out of the last prefill batch, merge the rest."""
+        """Filter finished and chunked requests out of the last prefill batch, merge the rest.
+
+        ``batch_is_full`` belongs to the running batch object: a shrunken prefill batch clears
+        it, and when the running batch is empty the prefill batch *becomes* the running batch,
+        whose flag was never set.
+        """
         kept = [r for r in batch if not r.finished and r is not self.chunked_req]
-        if len(kept) < len(batch):
+        if len(kept) < len(batch) or (kept and not self.running_batch):
             self.batch_is_full = False
         self.running_batch.extend(kept)
+
+    def _filter_running_batch(self) -> None:
+        """Top of every ``get_next_batch_to_run`` ("Every step, not only after a merge"):
+        finished requests leave the running batch, which clears the latch if any did; an empty
+        batch never stays latched (``_get_new_batch_prefill_raw``)."""
+        before = len(self.running_batch)
+        self.running_batch = [r for r in self.running_batch if not r.finished]
+        if len(self.running_batch) < before or not self.running_batch:
+            self.batch_is_full = False
 
     # ================================================================= decode
     def _update_running_batch(self, plan: StepPlan) -> bool:
         """One decode step of the running batch; False when nothing is left to decode."""
         initial_bs = len(self.running_batch)
-        self.running_batch = [r for r in self.running_batch if not r.finished]
         if not self.running_batch:
-            self.batch_is_full = False
             return False
         if not check_decode_mem(self.running_batch, self.tree_cache):
             plan.evicted.extend(r.sim for r in self._retract_decode())

@@ -56,7 +56,7 @@ def decode_run(s: VLLMScheduler) -> DecodeRun | None:
             blocked_other = True
         else:
             head = s.waiting.peek_request()
-            adm = s._admission(head, s.max_num_batched_tokens - n)
+            adm = s._admission(head, s.max_num_batched_tokens - n, s._long_prefill_cap())
             if s.kv_cache_manager.fits(head, adm.num_new_tokens, **adm.slot_args):
                 return None
             blocked_on_kv = True

@@ -172,7 +172,7 @@ class VLLMScheduler:
 
         # Phase A: RUNNING requests, in order. This loop runs per running request per step, so
         # ``allocate_slots`` is bound to a local.
-        running, threshold = self.running, self.long_prefill_token_threshold
+        running, threshold = self.running, self._long_prefill_cap()
         allocate_slots = kv.allocate_slots
         req_index = 0
         while req_index < len(running) and token_budget > 0:
@@ -210,7 +210,7 @@ class VLLMScheduler:
                 if len(self.running) == self.max_num_seqs:
                     break
                 request = self.waiting.peek_request()
-                adm = self._admission(request, token_budget)
+                adm = self._admission(request, token_budget, threshold)
                 num_local, num_external, num_load, num_new_tokens = (
                     adm.num_local, adm.num_external, adm.num_load, adm.num_new_tokens
                 )
@@ -296,7 +296,15 @@ class VLLMScheduler:
 
     # ---- internals ----
 
-    def _admission(self, request: Request, token_budget: int) -> _Admission:
+    def _long_prefill_cap(self) -> int:
+        """``long_prefill_token_threshold`` for this pass, fixed at its start: 0 (no cap) when
+        one request is running or waiting in all, "since there is no other request for it to
+        starve" (``config/scheduler.py``)."""
+        if len(self.running) + len(self.waiting) > 1:
+            return self.long_prefill_token_threshold
+        return 0
+
+    def _admission(self, request: Request, token_budget: int, threshold: int) -> _Admission:
         """What admitting the head of the queue would ask of the pool (no change to the pool;
         the connector's lookup is its only side effect)."""
         new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
@@ -308,8 +316,8 @@ class VLLMScheduler:
             if num_external == 0:
                 num_load = 0
         num_new_tokens = request.num_tokens - num_local - num_external
-        if 0 < self.long_prefill_token_threshold < num_new_tokens:
-            num_new_tokens = self.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
         slot_args = {
             "num_new_computed_tokens": num_local,
             "new_computed_blocks": new_computed_blocks,
