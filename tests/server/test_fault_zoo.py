@@ -137,8 +137,9 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
         up = metrics(http, base)
         rows = {r["target"]: r for r in http.get(base + "/api/v1/instances", timeout=10).json()["instances"]}
         for name, url in bad.items():
-            if name == "inf":
-                assert url in rows  # read or refused, it never takes the API down
+            if name == "inf":  # an impossible pool size is absent, the rest of the target is read
+                assert rows[url]["up"] is True and rows[url]["latest"]["capacity_tokens"] is None, rows[url]
+                assert [v for k, v in up.items() if k.startswith(url)] == [1]
                 continue
             assert up[url] == 0, name
             assert rows[url]["up"] is False and REASONS[name] in rows[url]["error"], (name, rows[url]["error"])
@@ -150,6 +151,26 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
     finally:
         for h in healthy:
             h.stop()
+
+
+def test_a_target_that_restarts_comes_back_up(start_loop: Callable[[Settings], ScrapeLoop]) -> None:
+    """Down (connection refused) while the engine restarts, up again on the same port after."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    loop = start_loop(settings_for([url], interval=0.3, timeout=0.25))
+    assert wait_for(lambda: loop.ready)
+    state = loop.targets[url]
+    assert not state.up and "connection refused" in (state.error or "")
+    from kvdiag.refpool.serve import MetricsServer
+
+    story = SaturationStory()
+    engine = MetricsServer(lambda om: (render("vllm", [story.state(100)], openmetrics=om, escape=om), content_type(om)), port=port).start()
+    try:
+        assert wait_for(lambda: state.up and bool(state.instances), timeout=10), state.error
+    finally:
+        engine.stop()
 
 
 def test_two_drip_targets_cannot_starve_two_healthy_ones_with_two_workers(
