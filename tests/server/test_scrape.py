@@ -4,6 +4,7 @@ does; redirects as engines send them; gzip within the cap; credentials never nam
 from __future__ import annotations
 
 import gzip
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Callable, Iterator
@@ -134,3 +135,54 @@ def test_credentials_in_the_url_are_sent_and_never_named(raw_server: Callable[[H
 def test_unscrapable_urls_are_errors_not_tracebacks(target: str, words: str) -> None:
     with pytest.raises(ScrapeError, match=words):
         scrape(target, timeout=1)
+
+
+@pytest.fixture
+def tls_server(tmp_path, stop: threading.Event) -> Iterator[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    """An HTTPS engine on loopback with a self-signed certificate for 127.0.0.1 (made by the
+    openssl CLI), and the certificate's path to trust it by."""
+    import shutil
+    import ssl
+    import subprocess
+    from http.server import ThreadingHTTPServer
+
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl CLI is needed (Debian's openssl package)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            reply(self, 200, BODY)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}", str(cert)
+    server.shutdown()
+    server.server_close()
+
+
+def test_https_with_a_ca_file_and_without(tls_server: tuple[str, str]) -> None:
+    url, cert = tls_server
+    assert scrape(url, timeout=10, auth=Auth(ca_file=cert)).body == BODY.decode()
+    assert scrape(url, timeout=10, auth=Auth(insecure=True)).body == BODY.decode()
+    with pytest.raises(ScrapeError, match="TLS"):
+        scrape(url, timeout=10)  # the system store does not know a self-signed certificate
+
+
+def test_a_tls_handshake_that_never_comes_is_bounded_too(stop: threading.Event) -> None:
+    with socket.socket() as listener:  # accepts TCP, never says a word of TLS
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(ScrapeError, match=r"timed out after 0\.3s in all \(during the TLS handshake\)"):
+            scrape(url, timeout=0.3)
