@@ -15,7 +15,9 @@ repeated lines) and requires:
   prometheus_client's parser accept a body, they read the same samples with the same values
   for every family kvdiag wants.
 
-The case count is fixed (never a time budget); a failure names the seed that reproduces it.
+A second test runs whole windows of such scrapes through the checks (increases stay possible
+counts, the report strict JSON). The case counts are fixed (never a time budget); a failure
+names the seed that reproduces it.
 """
 
 from __future__ import annotations
@@ -301,3 +303,34 @@ def test_the_corpus_covers_every_dialect_and_scheme() -> None:
     assert len(bodies) == 2 * (1 + 2 * len(ESCAPINGS)) + 3 * (len(SGLANG_DIALECTS) + len(VLLM_DIALECTS))
     for body, ctype in bodies:  # unmutated, each seed is read and normalizes to an engine
         assert normalize_scrape(Scrape(1000.0, T, ctype, body)), body[:80]
+
+
+SERIES = 120  # windows of 2-12 scrapes, each scrape mutated or not
+
+
+def test_fuzzed_series_diagnose_to_strict_json() -> None:
+    """Whole windows of mutated scrapes (a NaN here, a negative counter there, a broken bucket
+    bound, a lost line): the checks run, every increase is a possible count, the report is strict
+    JSON."""
+    config = Config()
+    counters = [f for f in NUMERIC_FIELDS if f.endswith("_total")]
+    for seed in range(SERIES):
+        rng = random.Random(10**6 + seed)
+        base, ctype = rng.choice(corpus())
+        samples: list[PoolSample] = []
+        for i in range(rng.randint(2, 12)):
+            body = base
+            if rng.random() < 0.6:
+                for _ in range(rng.randint(1, 3)):
+                    body = rng.choice([m_value, m_value, m_le, m_drop_line])(rng, body)
+            try:
+                samples += normalize_scrape(Scrape(1000.0 + 15 * i, T, ctype, body))
+            except OURS:
+                continue
+        for inst in {s.instance for s in samples}:
+            w = Window(inst, [s for s in samples if s.instance == inst])
+            for name in counters:
+                inc = w.increase(name)
+                assert inc is None or (math.isfinite(inc) and inc >= 0), f"seed {seed}: increase({name}) = {inc}"
+            d = checks.diagnose(w, config)
+            strict(report_json([d], d.verdict.exit_code), f"series seed {seed}")
