@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import time
 from typing import Any, Callable
 
@@ -41,6 +42,11 @@ from kvdiag.server.state import TargetState, fresh_instances, internal_error
 
 #: Where the Swagger UI files are served from (the installed package's copy, not a CDN).
 DOCS_ASSETS = "/docs-assets"
+#: Prometheus sends its scrape timeout with every scrape; a probe answers within it.
+SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
+#: Seconds kept back from Prometheus' timeout for rendering and the way back (as the
+#: blackbox exporter's scrape_timeout_offset does).
+SCRAPE_TIMEOUT_OFFSET = 0.5
 
 
 class SafeJSONResponse(JSONResponse):
@@ -104,7 +110,7 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         if engine != "auto" and engine not in ADAPTERS:
             raise HTTPException(400, f"engine must be auto or one of {', '.join(sorted(ADAPTERS))}")
         try:
-            future = loop.submit_probe(target, engine)
+            future = loop.submit_probe(target, engine, prometheus_budget(request.headers.get(SCRAPE_TIMEOUT_HEADER)))
         except ProbeBusy as exc:
             raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
         try:
@@ -175,6 +181,17 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         return SafeJSONResponse({"status": "ready" if ok else "not ready", "targets": len(loop.targets)}, status_code=200 if ok else 503)
 
     return app
+
+
+def prometheus_budget(header: str | None) -> float | None:
+    """The scrape deadline Prometheus' timeout header leaves (None: absent or unreadable)."""
+    try:
+        seconds = float(header) if header is not None else math.nan
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds <= 0:
+        return None
+    return max(seconds - SCRAPE_TIMEOUT_OFFSET, seconds / 2)
 
 
 def contained(state: TargetState, render: Callable[[TargetState], list], failed: Callable[[str], list]) -> list:

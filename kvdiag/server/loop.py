@@ -195,22 +195,23 @@ class ScrapeLoop:
         then its own scrape."""
         return 2 * self.opts.timeout
 
-    def submit_probe(self, target: str, engine: str = "auto") -> "Future[TargetState]":
+    def submit_probe(self, target: str, engine: str = "auto", timeout: float | None = None) -> "Future[TargetState]":
         """Check and scrape ``target`` on a probe worker; ProbeBusy when every worker is taken.
         The future raises ProbeInvalid / ProbeRefused for a target the allowlist refuses (the
         check resolves names, so it runs on the worker too, never on the caller's thread)."""
         if not self._probe_slots.acquire(blocking=False):
             raise ProbeBusy(f"all {self.settings.probe.concurrency} probe workers are busy (probe.concurrency)")
         try:
-            future = self._probe_pool.submit(self.probe, target, engine)
+            future = self._probe_pool.submit(self.probe, target, engine, timeout)
         except RuntimeError:  # shut down
             self._probe_slots.release()
             raise ProbeBusy("the exporter is stopping") from None
         future.add_done_callback(lambda _: self._probe_slots.release())
         return future
 
-    def probe(self, target: str, engine: str = "auto") -> TargetState:
-        """Check ``target`` against the allowlist, scrape it now and return its state.
+    def probe(self, target: str, engine: str = "auto", timeout: float | None = None) -> TargetState:
+        """Check ``target`` against the allowlist, scrape it now and return its state; the
+        scrape's deadline is ``timeout`` when the caller (Prometheus) gives a shorter one.
 
         Each probed URL keeps its own window, evaluated on every probe since each probe is a
         Prometheus scrape; probes of the same URL take turns, and one that cannot get its
@@ -231,11 +232,12 @@ class ScrapeLoop:
                 if len(self.probes) <= MAX_PROBES and not stale:
                     break
                 self.probes.popitem(last=False)
-        if not state.lock.acquire(timeout=self.opts.timeout):
+        deadline = min(self.opts.timeout, timeout) if timeout is not None else self.opts.timeout
+        if not state.lock.acquire(timeout=deadline):
             return state
         try:
             state.engine = engine
-            opts = replace(self.probe_opts, auth=self.settings.probe.auth_for(urlsplit(url).hostname or ""))
+            opts = replace(self.probe_opts, timeout=deadline, auth=self.settings.probe.auth_for(urlsplit(url).hostname or ""))
             scrape_into(state, opts, self.diagnose, self.undiagnosable)
         finally:
             state.lock.release()

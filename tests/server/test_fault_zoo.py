@@ -329,3 +329,16 @@ def test_a_failure_at_any_stage_stays_with_its_target(stage: str, engines, start
         assert any(i["instance"].startswith(good) and i["verdict"] != "unknown" for i in report)
     finally:
         loop.stop()
+
+
+def test_a_probe_keeps_within_prometheus_timeout(raw_server: Callable[[Handle], str], start_loop: Callable[[Settings], ScrapeLoop], stop: threading.Event) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvdiag.server.app import prometheus_budget
+
+    target = raw_server(lambda h: stop.wait(30))
+    loop = start_loop(replace(settings_for([], interval=10.0, timeout=8.0), probe=ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]))))
+    resp = TestClient(create_app(loop)).get("/probe", params={"target": target}, headers={"X-Prometheus-Scrape-Timeout-Seconds": "1.5"})
+    assert resp.status_code == 200 and "timed out after 1s in all" in (loop.probes[target].error or "")
+    assert prometheus_budget("10") == 9.5 and prometheus_budget("0.4") == 0.2
+    assert prometheus_budget(None) is prometheus_budget("soon") is prometheus_budget("nan") is prometheus_budget("-1") is None
