@@ -35,6 +35,7 @@ demo: $(LIGHT)
 
 test: $(FULL) system-deps
 	bash scripts/engine-src.sh .cache/engine-src
+	bash scripts/oracle-env.sh .cache/oracle-venv
 	KVDIAG_ENGINE_SRC=$(CURDIR)/.cache/engine-src $(PY) -m pytest -q
 
 generate: $(LIGHT)

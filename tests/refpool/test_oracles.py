@@ -1,0 +1,165 @@
+"""Scheduler-level differential: the reference pool against the engines' own Scheduler classes.
+
+vLLM 0.33.0's ``Scheduler`` and SGLang 0.5.23's ``Scheduler`` run on CPU in a separate
+virtualenv (``scripts/oracle-env.sh``, which ``make test`` runs) through the drivers in
+``scripts/oracle/``; the reference schedulers run the same request traces in this process. After
+every step both sides' state is compared: running and waiting ids in order, the pool's free /
+available, evictable and protected counts, usage, cumulative preemptions / retractions,
+new_token_ratio, prefix hits and queries, and per scheduled request its tokens and its block
+table (vLLM block ids / SGLang req_to_token slots). A failure prints the first divergent step
+with both sides' fields.
+
+One oracle process per engine runs all of its stories (importing an engine costs ~8 s). Without
+the oracle environment the tests skip with the reason; under ``CI=true`` they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from kvdiag.refpool.types import SimRequest, output_ids
+from kvdiag.refpool.vllm.scheduler import VLLMScheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLE_PYTHON = Path(os.environ.get("KVDIAG_ORACLE_PYTHON", ROOT / ".cache/oracle-venv/bin/python"))
+DRIVERS = {"vllm": ROOT / "scripts/oracle/vllm_driver.py", "sglang": ROOT / "scripts/oracle/sglang_driver.py"}
+
+
+@dataclass
+class Story:
+    """One request trace and the engine configuration it runs under."""
+
+    name: str
+    config: dict[str, Any]
+    requests: list[dict[str, Any]] = field(default_factory=list)  # rid, step, prompt, output
+
+
+def make_requests(
+    seed: int, n: int, every: int, prompt: tuple[int, int], output: tuple[int, int], shared_prefix: int = 0
+) -> list[dict[str, Any]]:
+    """``n`` requests, one every ``every`` steps, with uniform prompt and output lengths; the
+    first ``shared_prefix`` prompt tokens are common to all (prefix hits)."""
+    rng = random.Random(seed)
+    common = [rng.randrange(1, 30000) for _ in range(shared_prefix)]
+    out = []
+    for i in range(n):
+        rid = f"s{seed}-r{i}"
+        p = common + [rng.randrange(1, 30000) for _ in range(rng.randint(*prompt) - shared_prefix)]
+        out.append({"rid": rid, "step": i * every, "prompt": p, "output": output_ids(rid, rng.randint(*output))})
+    return out
+
+
+# ------------------------------------------------------------------------------------ vLLM
+def vllm_config(**kw: Any) -> dict[str, Any]:
+    cfg = {"block_size": 16, "num_gpu_blocks": 64, "max_num_seqs": 64, "max_num_batched_tokens": 256,
+           "long_prefill_token_threshold": 0}  # fmt: skip
+    cfg.update(kw)
+    cfg.setdefault("max_model_len", (cfg["num_gpu_blocks"] - 1) * cfg["block_size"])
+    return cfg
+
+
+VLLM_STORIES = [
+    Story("ramp", vllm_config(), make_requests(1, 40, 2, (30, 120), (20, 90))),
+    Story("near_capacity", vllm_config(num_gpu_blocks=96), make_requests(2, 30, 4, (40, 100), (20, 60))),
+    Story("long_outputs", vllm_config(), make_requests(3, 16, 3, (10, 40), (150, 300))),
+    Story("chunked_long_prompts", vllm_config(num_gpu_blocks=128, max_num_batched_tokens=96),
+          make_requests(4, 12, 5, (200, 600), (5, 30))),
+    Story("shared_prefixes", vllm_config(), make_requests(5, 30, 2, (60, 120), (10, 50), shared_prefix=48)),
+    Story("long_prefill_threshold", vllm_config(num_gpu_blocks=128, long_prefill_token_threshold=40),
+          make_requests(6, 16, 6, (50, 300), (5, 40))),
+    Story("max_num_seqs", vllm_config(num_gpu_blocks=128, max_num_seqs=4), make_requests(7, 20, 1, (20, 80), (10, 40))),
+]  # fmt: skip
+
+
+def vllm_reference(story: Story) -> Iterator[dict[str, Any]]:
+    """The reference ``VLLMScheduler`` over ``story``, in the driver's step record."""
+    c = story.config
+    s = VLLMScheduler(
+        c["num_gpu_blocks"], c["block_size"], c["max_num_batched_tokens"], c["max_num_seqs"], c["max_model_len"],
+        long_prefill_token_threshold=c["long_prefill_token_threshold"], debug=True,
+    )  # fmt: skip
+    arrivals = _arrivals(story)
+    kv, step, last = s.kv_cache_manager, 0, max(arrivals)
+    while step <= last or s.has_work():
+        for r in arrivals.get(step, []):
+            s.add_request(SimRequest(r["rid"], float(step), tuple(r["prompt"]), len(r["output"]), len(r["output"]), True))
+        plan = s.schedule(float(step))
+        scheduled = {ch.req.rid: ch.num_new_tokens for ch in plan.chunks}
+        blocks = {rid: [b.block_id for b in kv.get_blocks(rid)] for rid in scheduled}
+        s.update_from_output(plan, float(step))
+        st = s.stats()
+        yield {
+            "story": story.name, "step": step,
+            "running": [r.request_id for r in s.running], "waiting": [r.request_id for r in s.waiting],
+            "free_blocks": st.num_free_blocks, "usage": round(st.kv_cache_usage, 12),
+            "preemptions": st.num_preemptions_total,
+            "prefix_queries": st.prefix_cache_queries_total, "prefix_hits": st.prefix_cache_hits_total,
+            "scheduled": scheduled, "blocks": blocks,
+        }  # fmt: skip
+        step += 1
+
+
+# ------------------------------------------------------------------------------------ harness
+def _arrivals(story: Story) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in story.requests:
+        out.setdefault(r["step"], []).append(r)
+    return out
+
+
+def run_oracle(engine: str, stories: list[Story]) -> dict[str, list[dict[str, Any]]]:
+    """All of ``engine``'s stories through its own scheduler, in one process; records by story."""
+    if not ORACLE_PYTHON.exists():
+        msg = f"no oracle environment at {ORACLE_PYTHON}: run `bash scripts/oracle-env.sh` (`make test` does)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    trace = json.dumps({"stories": [vars(s) for s in stories]})
+    proc = subprocess.run(
+        [str(ORACLE_PYTHON), str(DRIVERS[engine])], input=trace, capture_output=True, text=True, timeout=900, cwd=ROOT
+    )  # hang guard only
+    assert proc.returncode == 0, f"{engine} oracle failed:\n{proc.stderr[-6000:]}"
+    records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in stories}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            records[rec["story"]].append(rec)
+    return records
+
+
+def assert_same_steps(engine: str, oracle: list[dict[str, Any]], reference: Iterator[dict[str, Any]]) -> int:
+    """Compare step by step; fail at the first divergent step showing both sides' fields."""
+    n = 0
+    for n, (want, got) in enumerate(zip(oracle, reference, strict=False), start=1):
+        if want != got:
+            diff = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+            pytest.fail(
+                f"{want['story']}: first divergence at step {want['step']} in {diff}\n"
+                f"  {engine}:     {json.dumps({k: want.get(k) for k in diff})}\n"
+                f"  reference: {json.dumps({k: got.get(k) for k in diff})}\n"
+                f"  {engine} step:     {json.dumps(want)}\n  reference step: {json.dumps(got)}"
+            )
+    rest = list(reference)
+    assert not rest and n == len(oracle), f"step counts differ: {engine} {len(oracle)}, reference {n + len(rest)}"
+    assert n > 0
+    return n
+
+
+@pytest.fixture(scope="module")
+def vllm_oracle() -> dict[str, list[dict[str, Any]]]:
+    return run_oracle("vllm", VLLM_STORIES)
+
+
+@pytest.mark.parametrize("story", VLLM_STORIES, ids=lambda s: s.name)
+def test_vllm_reference_equals_vllm_scheduler_every_step(story: Story, vllm_oracle: dict[str, list[dict[str, Any]]]) -> None:
+    assert_same_steps("vllm", vllm_oracle[story.name], vllm_reference(story))
+
+
