@@ -129,9 +129,14 @@ def scrape(
     raise ScrapeError(f"{metrics_url(clean)}: more than {redirects} redirects")
 
 
-def _origin(url: str) -> tuple[str, str | None, str]:
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    """(scheme, host, port): credentials go to the origin they were configured for only."""
     p = urlsplit(url)
-    return p.scheme, p.hostname, p.netloc.rpartition(":")[2]
+    try:
+        port = p.port
+    except ValueError:
+        port = None  # _fetch refuses it with the reason
+    return p.scheme, p.hostname, port or (443 if p.scheme == "https" else 80)
 
 
 def _remaining(deadline: float) -> float:
