@@ -50,6 +50,7 @@ def zoo(stop: threading.Event) -> dict[str, Handle]:
     inf_body = b"\n".join(
         (line.rsplit(b" ", 1)[0] + b" +Inf") if line.startswith(b"sglang:max_total_num_tokens") else line for line in body.split(b"\n")
     )
+    bad_le = body.replace(b'time_to_first_token_seconds_bucket{', b'time_to_first_token_seconds_bucket{le="0,4",', 1)
     chunk = b"# padding\n" * 6554
 
     def drip_body(h: BaseHTTPRequestHandler) -> None:
@@ -77,6 +78,7 @@ def zoo(stop: threading.Event) -> dict[str, Handle]:
         "garbage": lambda h: reply(h, 200, os.urandom(4096)),
         "html": lambda h: reply(h, 200, b"<!doctype html><html><body>login</body></html>", "text/html"),
         "inf": lambda h: reply(h, 200, inf_body),
+        "bad_le": lambda h: reply(h, 200, bad_le),
     }
 
 
@@ -119,7 +121,7 @@ def live() -> Iterator[Callable[[ScrapeLoop], str]]:
 
 
 def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
-    raw_server: Callable[[Handle], str], start_loop: Callable[[Settings], ScrapeLoop], live: Callable[[ScrapeLoop], str], stop: threading.Event
+    raw_server: Callable[[Handle], str], start_loop: Callable[[Settings], ScrapeLoop], live: Callable[[ScrapeLoop], str], stop: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
     healthy = [story_engine("sglang"), story_engine("vllm")]
     try:
@@ -137,6 +139,9 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
         up = metrics(http, base)
         rows = {r["target"]: r for r in http.get(base + "/api/v1/instances", timeout=10).json()["instances"]}
         for name, url in bad.items():
+            if name == "bad_le":  # refused or read without that bucket: either way this target's alone
+                assert url in rows and (rows[url]["up"] is False) == bool(rows[url]["error"])
+                continue
             if name == "inf":  # an impossible pool size is absent, the rest of the target is read
                 assert rows[url]["up"] is True and rows[url]["latest"]["capacity_tokens"] is None, rows[url]
                 assert [v for k, v in up.items() if k.startswith(url)] == [1]
@@ -148,6 +153,8 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
             assert any(v == 1 for k, v in up.items() if k.startswith(h.url))
         assert http.get(base + "/api/v1/verdicts", timeout=10).status_code == 200
         assert http.get(base + "/", timeout=10).status_code == 200
+        tracebacks = [r.getMessage() for r in caplog.records if r.exc_info]
+        assert len(tracebacks) == len(set(tracebacks))  # never the same traceback every scrape
     finally:
         for h in healthy:
             h.stop()
