@@ -84,6 +84,12 @@ class EngineState:
     l2_capacity_tokens: int | None = None  # None: no L2 tier configured
     l2_used_tokens: int = 0
     l2_hit_tokens_total: int = 0
+    # SGLang's prefill token counters, bumped when a prefill batch is formed (all over one span,
+    # so input and hits never disagree): effective input (recomputes excluded), and the
+    # realtime computed / cached split (recomputes included).
+    prefill_input_tokens_total: int = 0
+    prefill_compute_tokens_total: int = 0
+    prefill_cache_tokens_total: int = 0
     new_token_ratio: float = 0.7
     block_size: int = 16
     ttft: Latency = field(default_factory=Latency)
@@ -256,8 +262,8 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
             P + "realtime_tokens",
             "Total number of tokens processed (updated on each log interval). mode: prefill_compute, prefill_cache, decode.",
             by_mode(lambda s: (
-                ("prefill_compute", s.prompt_tokens_total - s.prefix_hit_tokens_total),
-                ("prefill_cache", s.prefix_hit_tokens_total),
+                ("prefill_compute", s.prefill_compute_tokens_total),
+                ("prefill_cache", s.prefill_cache_tokens_total),
                 ("decode", s.generation_tokens_total),
             )),
         )
@@ -266,7 +272,7 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
             P + "prefill_effective_tokens",
             "Effective prefill tokens with retracted-request re-counts excluded, updated on each log interval.",
             by_mode(lambda s: (
-                ("input", s.prompt_tokens_total - s.prefix_hit_tokens_total - s.l2_hit_tokens_total),
+                ("input", s.prefill_input_tokens_total),
                 ("device_hit", s.prefix_hit_tokens_total),
                 ("host_hit", s.l2_hit_tokens_total),
                 ("storage_hit", 0),

@@ -161,6 +161,9 @@ class SGLangMetrics:
         s.evictions_total = st.num_retracted_requests_total
         s.prefix_hit_tokens_total = st.cached_tokens_device_total
         s.l2_hit_tokens_total = st.cached_tokens_host_total
+        s.prefill_input_tokens_total = st.prefill_effective_input_tokens_total
+        s.prefill_compute_tokens_total = st.prefill_compute_tokens_total
+        s.prefill_cache_tokens_total = st.prefill_cache_tokens_total
         s.prompt_tokens_total = st.prompt_tokens_total
         s.generation_tokens_total = st.generation_tokens_total
         s.requests_total = st.num_requests_total

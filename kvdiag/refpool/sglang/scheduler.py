@@ -267,6 +267,8 @@ class SGLangScheduler:
         self.cache_hit_rate = fresh_hit / (fresh_hit + fresh_input) if fresh_hit + fresh_input else 0.0
         c = self.counters
         c.prefill_effective_input_tokens_total += fresh_input
+        c.prefill_compute_tokens_total += adder.log_input_tokens
+        c.prefill_cache_tokens_total += adder.log_hit_tokens
         c.cached_tokens_device_total += adder.log_device_hit_tokens
         c.cached_tokens_host_total += adder.log_host_hit_tokens
         c.num_prefill_batches += 1

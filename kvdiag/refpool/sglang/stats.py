@@ -24,6 +24,8 @@ class SchedulerCounters:
     cached_tokens_device_total: int = 0  # cached_tokens_total{cache_source="device"} (at admission)
     cached_tokens_host_total: int = 0  # cached_tokens_total{cache_source="host"}
     prefill_effective_input_tokens_total: int = 0  # prefill_effective_tokens_total{mode="input"}
+    prefill_compute_tokens_total: int = 0  # realtime_tokens_total{mode="prefill_compute"} (recomputes too)
+    prefill_cache_tokens_total: int = 0  # realtime_tokens_total{mode="prefill_cache"}
     num_prefill_batches: int = 0
 
 
@@ -57,6 +59,8 @@ class SGLangStats:
     cached_tokens_device_total: int
     cached_tokens_host_total: int
     prefill_effective_input_tokens_total: int
+    prefill_compute_tokens_total: int
+    prefill_cache_tokens_total: int
     num_prefill_batches: int
 
     @property
