@@ -196,3 +196,37 @@ def test_docs_work_offline(start_loop: Callable[[Settings], ScrapeLoop]) -> None
         assert "SwaggerUIBundle" in client.get("/docs-assets/swagger-ui-bundle.js").text
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer "},
+        {"Authorization": "Bearer t0ke"},
+        {"Authorization": "Bearer t0ken2"},
+        {"Authorization": "Bearer T0KEN"},
+        {"Authorization": "bearer wrong"},
+        {"Authorization": "Basic dDBrZW46dDBrZW4="},  # t0ken:t0ken as basic auth
+        {"Authorization": "Token t0ken"},
+        {"Authorization": "t0ken"},
+        {"Authorization": "Bearer t0ken, Bearer x"},
+        {"X-Api-Token": "t0ken"},
+        {"Cookie": "token=t0ken"},
+    ],
+)
+def test_api_auth_attempts_are_refused(headers: dict[str, str], start_loop: Callable[[Settings], ScrapeLoop]) -> None:
+    from dataclasses import replace
+
+    loop = ScrapeLoop(replace(settings_for([]), api_token="t0ken"))
+    try:
+        client = client_for(loop)
+        for path in ("/api/v1/instances", "/api/v1/verdicts", "/api/v1/instances/x/series", "/api/v1/verdicts?token=t0ken"):
+            resp = client.get(path, headers=headers)
+            assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer", (path, headers)
+            assert "t0ken" not in resp.text
+        assert client.get("/api/v1/verdicts", headers={"Authorization": "Bearer t0ken"}).status_code == 200
+        assert client.get("/api/v1/verdicts", headers={"Authorization": "bearer t0ken"}).status_code == 200  # the scheme is case-insensitive (RFC 7235)
+    finally:
+        loop.stop()
