@@ -40,8 +40,9 @@ ACCEPT = (
     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
 USER_AGENT = "kvdiag"
-#: Redirects followed for a configured target (SGLang and older vLLM mount their metrics app at
-#: ``/metrics/``, so ``/metrics`` answers 307). Prometheus follows redirects by default too.
+#: Redirects followed for a configured target: a plain Starlette ``Mount("/metrics")`` answers
+#: ``/metrics`` with a 307 to ``/metrics/`` (SGLang 0.5.23 and vLLM 0.33.0 patch their mount's
+#: path regex to avoid it; proxies and other builds may not). Prometheus follows them by default.
 MAX_REDIRECTS = 5
 CHUNK = 65536
 
