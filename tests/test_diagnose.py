@@ -39,7 +39,8 @@ def test_json_shape_and_exit_code_for_a_bottleneck(tmp_path: Path, capsys: pytes
     for check in inst["checks"].values():
         assert check["status"] in ("firing", "ok", "unknown") and isinstance(check["evidence"], dict)
     ev = inst["checks"]["evictions_growing"]["evidence"]
-    assert ev["increase"] == 59 and ev["span"]["seconds"] == 295 and ev["span"]["samples"] == 60
+    # 59 over the 295 s the samples span, extrapolated to the 300 s window as PromQL's increase() does
+    assert ev["increase"] == 60 and ev["span"]["seconds"] == 295 and ev["span"]["samples"] == 60
     assert inst["checks"]["l2_underused"]["missing"] == ["l2_capacity_tokens", "l2_hit_tokens_total"]
     assert inst["figures"]["ceiling"] == 57 and inst["window"]["samples"] == 60
 
@@ -105,9 +106,9 @@ def test_sampling_engine_urls(http_server, capsys: pytest.CaptureFixture[str]) -
     """An engine on loopback whose queue grows between scrapes."""
     bodies = itertools.cycle([s.body for s in recording("vllm", steps=40, **BOTTLENECK)])
     url = http_server(Responder(lambda path, headers: (200, {"Content-Type": content_type(False)}, next(bodies).encode())))
-    code, out = diagnose_json(capsys, url, "--interval", "0.2", "--duration", "0.8", "--no-progress")
-    (inst,) = out["instances"]
-    assert inst["engine"] == "vllm" and inst["window"]["samples"] == 5
+    code, out = diagnose_json(capsys, url, "--interval", "0.1", "--duration", "0.8", "--no-progress")
+    (inst,) = out["instances"]  # 9 samples: the queue rises by 8, past queue_min_growth (5)
+    assert inst["engine"] == "vllm" and inst["window"]["samples"] == 9
     assert inst["checks"]["queue_growing"]["status"] == "firing" and inst["checks"]["evictions_growing"]["status"] == "firing"
     assert code == 2
 
@@ -121,7 +122,7 @@ def test_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture[str], mon
     monkeypatch.setenv("COLUMNS", "220")
     assert cli.main(["diagnose", "--replay", rec(tmp_path, "b", "vllm", **BOTTLENECK)]) == 2
     out = capsys.readouterr().out
-    for needle in ("l1_kv_bottleneck", "evictions_growing", "59 evictions", "--max-num-seqs 57", "concurrency_not_cache", "60 samples"):
+    for needle in ("l1_kv_bottleneck", "evictions_growing", "60 evictions", "--max-num-seqs 57", "concurrency_not_cache", "60 samples"):
         assert needle in out
 
 
