@@ -185,3 +185,20 @@ def test_a_down_target_says_its_reason_once(capsys: pytest.CaptureFixture[str], 
     assert cli.main(["diagnose", "http://127.0.0.1:9", "--interval", "0.05", "--timeout", "1"]) == 3
     captured = capsys.readouterr()
     assert captured.out.count("connection refused") == 1 and captured.err.count("connection refused") == 1
+
+
+def test_the_progress_bar_counts_failed_scrapes(http_server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvdiag.commands.diagnose as diagnose_module
+
+    descriptions: list[str] = []
+
+    class Watched(diagnose_module.Progress):  # the real bar, its last words kept
+        def __exit__(self, *exc: object) -> None:
+            descriptions.extend(t.description for t in self.tasks)
+            super().__exit__(*exc)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(diagnose_module, "Progress", Watched)
+    bodies = itertools.cycle([s.body for s in recording("vllm", steps=40, **BOTTLENECK)])
+    url = http_server(Responder(lambda path, headers: (200, {"Content-Type": content_type(False)}, next(bodies).encode())))
+    cli.main(["diagnose", url, "http://127.0.0.1:9", "--interval", "0.05", "--duration", "0.2"])
+    assert descriptions == ["sampling 2 engine(s) every 0.05s · 2 failed scrape(s)"]
