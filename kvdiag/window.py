@@ -75,12 +75,15 @@ def counter_increase(values: np.ndarray) -> float:
     A restart (``counter_step``) counts the value after it as the increase since the restart;
     an impossible sample is left out; so neither yields a negative or an inflated increase.
     """
+    return _increase(values[counter_valid(values)])
+
+
+def _increase(values: np.ndarray) -> float:
+    """``counter_increase`` of a series whose samples are all possible (a Window's column)."""
     if len(values) < 2:
         return 0.0
-    values = values[counter_valid(values)]
     deltas = np.diff(values)
-    resets = deltas < 0
-    return float(np.where(resets, values[1:], deltas).sum())
+    return float(np.where(deltas < 0, values[1:], deltas).sum())
 
 
 def count_resets(values: np.ndarray) -> int:
@@ -274,12 +277,14 @@ class Window:
         col = self._valid.get(name)
         if col is None:
             col = self._reported(name)
-            if name in COUNTER_FIELDS:
-                present = ~np.isnan(col)
-                keep = counter_valid(col[present])
-                if not keep.all():
-                    col = col.copy()
-                    col[np.flatnonzero(present)[~keep]] = np.nan
+            if name in COUNTER_FIELDS and len(col) > 1:
+                absent = np.isnan(col)
+                if absent.any() or (np.diff(col) < 0).any():  # else: no gap, no drop, all possible
+                    present = ~absent
+                    keep = counter_valid(col[present])
+                    if not keep.all():
+                        col = col.copy()
+                        col[np.flatnonzero(present)[~keep]] = np.nan
             self._valid[name] = col
         return col
 
@@ -310,7 +315,7 @@ class Window:
         _, vals = self.points(name, since)
         if len(vals) == 0:
             return None
-        return counter_increase(vals)
+        return _increase(vals)  # the column holds possible samples only
 
     def resets(self, name: str) -> int:
         return count_resets(self.points(name)[1])
@@ -319,7 +324,7 @@ class Window:
         ts, vals = self.points(name, since)
         if len(vals) < 2 or ts[-1] <= ts[0]:
             return None
-        return counter_increase(vals) / float(ts[-1] - ts[0])
+        return _increase(vals) / float(ts[-1] - ts[0])
 
     def trend(self, name: str, since: float | None = None) -> float | None:
         """Robust slope of a gauge in units per second (Theil-Sen)."""
