@@ -127,7 +127,7 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
     try:
         bad = {name: raw_server(handle) for name, handle in zoo(stop).items()}
         settings = settings_for([h.url for h in healthy] + list(bad.values()), interval=INTERVAL, timeout=TIMEOUT)
-        loop = start_loop(replace(settings, scrape=replace(settings.scrape, concurrency=4, max_bytes=1 << 20)))
+        loop = start_loop(replace(settings, scrape=replace(settings.scrape, concurrency=6, max_bytes=1 << 20)))
         base = live(loop)
         http = requests.Session()
         assert wait_for(lambda: requests.get(base + "/readyz", timeout=10).status_code == 200, timeout=20)  # every drip target ended
@@ -214,7 +214,7 @@ def test_a_probe_flood_never_reaches_healthz(raw_server: Callable[[Handle], str]
 
     target = raw_server(hang)
     probe = ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]), concurrency=4)
-    loop = start_loop(replace(settings_for([], interval=5.0, timeout=1.0), probe=probe))
+    loop = start_loop(replace(settings_for([], interval=10.0, timeout=5.0), probe=probe))  # slots held all through the flood
     base = live(loop)
     statuses: list[int] = []
 
@@ -224,9 +224,10 @@ def test_a_probe_flood_never_reaches_healthz(raw_server: Callable[[Handle], str]
     flood = [threading.Thread(target=one) for _ in range(60)]
     for t in flood:
         t.start()
-    assert wait_for(lambda: len(connections) >= 1, timeout=10)
+    assert wait_for(lambda: len(connections) >= 1 and len(statuses) >= 60 - 4, timeout=20)  # all sent: 4 held, the rest answered
     health = requests.get(base + "/healthz", timeout=5)  # hang guard: the flood held it 83 s before
     metrics_page = requests.get(base + "/metrics", timeout=5)
+    stop.set()  # the target hangs up: the probes holding the workers end now
     for t in flood:
         t.join(timeout=30)
     assert health.status_code == 200 and metrics_page.status_code == 200
