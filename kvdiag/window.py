@@ -17,7 +17,10 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from kvdiag.model import COUNTER_FIELDS, HISTOGRAM_FIELDS, NUMERIC_FIELDS, Histogram, PoolSample, Provenance
+from kvdiag.model import COUNTER_FIELDS, HISTOGRAM_FIELDS, NUMERIC_FIELDS, PARTS, Histogram, PoolSample, Provenance
+
+#: Each part counter to its whole (hits to queries), from the model's (part, whole) pairs.
+_WHOLE = {part: whole for part, whole in PARTS if part in COUNTER_FIELDS and whole in COUNTER_FIELDS}
 
 #: Theil-Sen slopes use at most this many evenly spaced points (pairs grow quadratically).
 TREND_POINTS = 48
@@ -158,6 +161,7 @@ class Window:
         self._columns: dict[str, np.ndarray] = {}
         self._hists: dict[str, HistogramColumns | None] = {}
         self._valid: dict[str, np.ndarray] = {}  # columns with impossible counter samples absent
+        self._outgrown: dict[str, str] = {}  # part counters that outgrew their whole, and how
 
     @classmethod
     def from_columns(
@@ -182,6 +186,7 @@ class Window:
         w._frame = None
         w._columns = {"ts": np.asarray(ts, dtype=float), **columns}
         w._valid = {}
+        w._outgrown = {}
         w._hists = dict(histograms)
         return w
 
@@ -241,9 +246,13 @@ class Window:
         else:
             first = next((s.provenance[name] for s in self._samples if name in s.provenance), None)
         dropped = self.invalid_samples(name)
-        if dropped and last is not None:
-            why = f"{dropped} sample{'s' if dropped > 1 else ''} in the window decreased without a restart; left out"
-            last = replace(last, note="; ".join(x for x in (last.note, why) if x))
+        whys = [f"{dropped} sample{'s' if dropped > 1 else ''} in the window decreased without a restart; left out"] if dropped else []
+        if name in _WHOLE:
+            self.column(name)  # finds whether the part outgrew its whole
+        if name in self._outgrown:
+            whys.append(self._outgrown[name])
+        if whys and last is not None:
+            last = replace(last, note="; ".join([last.note] + whys if last.note else whys), invalid=name in self._outgrown)
         return first, last
 
     def invalid_samples(self, name: str) -> int:
@@ -285,8 +294,24 @@ class Window:
                     if not keep.all():
                         col = col.copy()
                         col[np.flatnonzero(present)[~keep]] = np.nan
+            whole = _WHOLE.get(name)
+            if whole is not None:
+                col = self._within(name, col, whole)
             self._valid[name] = col
         return col
+
+    def _within(self, part: str, col: np.ndarray, whole: str) -> np.ndarray:
+        """A part counter (hits) whose increase over the window exceeds its whole's (queries)
+        would make a ratio above 1: the part is absent over the whole window, and says why."""
+        part_vals, whole_vals = col[~np.isnan(col)], self.column(whole)
+        whole_vals = whole_vals[~np.isnan(whole_vals)]
+        if len(part_vals) < 2 or len(whole_vals) < 2:
+            return col
+        grew, of = _increase(part_vals), _increase(whole_vals)
+        if grew <= of:
+            return col
+        self._outgrown[part] = f"rose by {grew:g} over the window while {whole} rose by {of:g}: a ratio above 1; not used"
+        return np.full(len(col), np.nan)
 
     def _reported(self, name: str) -> np.ndarray:
         """One field as the samples reported it (impossible values included)."""

@@ -263,3 +263,20 @@ def test_exporter_api_serves_every_target_when_one_reports_infinite_pool(raw_ser
     fams = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     capacity = {s.labels["instance"]: s.value for s in fams["kvdiag_kv_capacity_tokens"].samples}
     assert bad_url not in capacity and capacity  # absent for the bad target, present for the good one
+
+
+def test_hits_outgrowing_queries_over_the_window_are_not_a_ratio() -> None:
+    # Every scrape has hits <= queries, but hits rose 400 while queries rose 100: a ratio of 4.
+    rows = [(500.0, 1000.0), (700.0, 1050.0), (900.0, 1100.0)]
+    prov = {"prefix_hit_tokens_total": Provenance("h"), "prefix_query_tokens_total": Provenance("q")}
+    w = Window("i", [PoolSample("i", "x", 15.0 * t, prefix_hit_tokens_total=h, prefix_query_tokens_total=q, provenance=dict(prov)) for t, (h, q) in enumerate(rows)])
+    assert not w.has("prefix_hit_tokens_total") and w.increase("prefix_query_tokens_total") == 100.0
+    _, last = w.provenance("prefix_hit_tokens_total")
+    assert last is not None and last.invalid and "ratio above 1" in last.note
+    from kvdiag.checks import prefix
+    from kvdiag.config import Config
+
+    assert prefix.evaluate(w, Config()).status == "unknown"
+    # hits that rose no more than queries keep their numbers
+    ok = Window("i", [PoolSample("i", "x", 15.0 * t, prefix_hit_tokens_total=h, prefix_query_tokens_total=q) for t, (h, q) in enumerate([(500.0, 1000.0), (550.0, 1100.0)])])
+    assert ok.increase("prefix_hit_tokens_total") == 50.0
