@@ -49,7 +49,7 @@ def test_vllm_fixture_numbers(vllm_fixture: str) -> None:
 def _state(**kw: float) -> EngineState:
     base = dict(
         capacity_tokens=100_000, used_tokens=96_000, evictable_tokens=2_500, running=40, waiting=12,
-        evictions_total=30, last_eviction_event=3, prefix_hit_tokens_total=70_000, prompt_tokens_total=100_000,
+        evictions_total=30, last_eviction_event=3, prefix_hit_tokens_total=70_000, prompt_tokens_total=100_000, prefill_input_tokens_total=30_000,
         generation_tokens_total=20_000, requests_total=300,
     )  # fmt: skip
     base.update(kw)

@@ -71,7 +71,7 @@ def _reduced(text: str) -> str:
 def _state(i: int) -> EngineState:
     st = EngineState(
         capacity_tokens=100_000, used_tokens=90_000 + i, evictable_tokens=2_500, running=40, waiting=12 + i,
-        evictions_total=30 + i, last_eviction_event=3, prefix_hit_tokens_total=70_000, prompt_tokens_total=100_000,
+        evictions_total=30 + i, last_eviction_event=3, prefix_hit_tokens_total=70_000, prompt_tokens_total=100_000, prefill_input_tokens_total=30_000,
         generation_tokens_total=20_000, requests_total=300,
     )  # fmt: skip
     for v in (0.05, 0.3, 2.0, 30.0):
