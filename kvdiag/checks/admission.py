@@ -16,7 +16,8 @@ At the evaluation instant (the newest sample)::
     admission = min(1, usage + need / capacity)
 
 ``prompt`` and ``output`` are tokens per finished request, ``rate(tokens[window]) /
-rate(requests[window])``, and ``hit ratio`` is ``rate(hits[window]) / rate(queries[window])``,
+rate(requests[window])``, and ``hit ratio`` is ``rate(hits[window]) / rate(queries[window])``
+(an old engine without hit counters: the mean of its hit-rate gauge),
 each rate computed exactly as PromQL does (``kvdiag.checks.stats``), so the recorded series
 ``instance:kvdiag_kv_admission_need:ratio*`` is this very figure. The running requests'
 remaining output is estimated by the mean output of finished
@@ -36,8 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvdiag import engines
-from kvdiag.checks import stats
-from kvdiag.checks.base import recent
+from kvdiag.checks.base import gauge_hit_ratio, rate_of, recent
 from kvdiag.config import Config
 from kvdiag.window import Window
 
@@ -65,7 +65,8 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     t = w.end
     prompt = _per_request(w, config, "prompt_tokens_total")
     output = _per_request(w, config, "generation_tokens_total")
-    hit = _ratio(w, config, "prefix_hit_tokens_total", "prefix_query_tokens_total")
+    counters = w.has("prefix_hit_tokens_total") and w.has("prefix_query_tokens_total")
+    hit = _ratio(w, config, "prefix_hit_tokens_total", "prefix_query_tokens_total") if counters else gauge_hit_ratio(w, config)
     last = w.last
     capacity, reserve, running = last.capacity_tokens, last.decode_reserve_ratio, last.running
     missing = [name for name, v in (("tokens per request", prompt), ("prefix hit ratio", hit)) if v is None]
@@ -86,21 +87,16 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     return AdmissionUsage(ts, usage, need, ratio, min(1.0, usage_last + ratio), prompt, output, hit, reserve, basis)
 
 
-def _rate(w: Window, config: Config, field: str) -> float | None:
-    ts, vals = w.points(field)
-    return stats.rate(ts, vals, w.end, config.window)
-
-
 def _per_request(w: Window, config: Config, field: str) -> float | None:
     """Tokens per finished request, ``rate(tokens) / (rate(requests) > 0)``."""
-    requests = _rate(w, config, "requests_total")
-    tokens = _rate(w, config, field)
+    requests = rate_of(w, config, "requests_total")
+    tokens = rate_of(w, config, field)
     return tokens / requests if requests and tokens is not None else None
 
 
 def _ratio(w: Window, config: Config, num: str, den: str) -> float | None:
     """``rate(num) / rate(den)``; None where PromQL has no number (absent, or 0 / 0)."""
-    n, d = _rate(w, config, num), _rate(w, config, den)
+    n, d = rate_of(w, config, num), rate_of(w, config, den)
     if n is None or d is None or (n == 0 and d == 0):
         return None
     return n / d if d else None

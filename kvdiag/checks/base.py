@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvdiag import engines
+from kvdiag.checks import stats
 from kvdiag.config import Config
 from kvdiag.model import CheckResult, Evidence
 from kvdiag.window import Window, counter_increase
@@ -89,20 +90,36 @@ def _plain(v: object) -> float | int | str | bool | None:
     return v  # type: ignore[return-value]
 
 
+def rate_of(window: Window, config: Config, field: str) -> float | None:
+    """``rate(field[window])`` at the window's newest sample, as PromQL computes it."""
+    ts, vals = span(window, config, field)
+    return stats.rate(ts, vals, window.end, config.window)
+
+
 def counter_ratio(window: Window, config: Config, num: str, den: str) -> tuple[np.ndarray, float | None, float, float, str]:
-    """increase(num) / increase(den) over the span, as PromQL's ``rate(a)/rate(b)``.
+    """``rate(num[window]) / rate(den[window])``, each rate PromQL's own (``stats.rate``).
 
     Returns (timestamps, ratio or None when nothing was counted, numerator, denominator,
-    basis). With a single sample in the span the ratio is over the engine's lifetime (the
-    counters as they stand): a point-in-time answer, labelled ``lifetime``.
+    basis), the two figures as PromQL's (extrapolated) increases over the window. On a single
+    scrape the ratio is over the engine's lifetime (the counters as they stand): a point-in-time
+    answer PromQL cannot give, labelled ``lifetime``. A counter with fewer than two valid readings
+    in a longer window has no rate: ratio None.
     """
     ts, den_vals = span(window, config, den)
     _, num_vals = span(window, config, num)
-    if len(den_vals) == 1 or len(num_vals) == 1:
-        n, d, basis = float(num_vals[-1]) if len(num_vals) else 0.0, float(den_vals[-1]), "lifetime"
-    else:
-        n, d, basis = counter_increase(num_vals), counter_increase(den_vals), "window"
-    return ts, (n / d if d > 0 else None), n, d, basis
+    if len(window.column("ts")) == 1 and len(den_vals) == 1:
+        n, d = float(num_vals[-1]) if len(num_vals) else 0.0, float(den_vals[-1])
+        return ts, (n / d if d > 0 else None), n, d, "lifetime"
+    rn, rd = rate_of(window, config, num), rate_of(window, config, den)
+    n, d = (rn or 0.0) * config.window, (rd or 0.0) * config.window
+    return ts, (rn / rd if rn is not None and rd else None), n, d, "window"
+
+
+def gauge_hit_ratio(window: Window, config: Config) -> float | None:
+    """The mean of an old engine's hit-rate gauge over the span (``avg_over_time``): the hit
+    ratio of an engine that exports no hit counters; None where it exports no gauge either."""
+    _, gauge = span(window, config, "prefix_hit_ratio_gauge")
+    return float(gauge.mean()) if len(gauge) else None
 
 
 def per_request(window: Window, config: Config, field: str) -> tuple[float | None, str]:

@@ -53,6 +53,7 @@ class CheckSpec:
     needs: tuple[str, ...]  # PoolSample fields it reads
     growth: bool  # needs a window of samples; unknown on a single exposition
     promql: str
+    known: str = ""  # PromQL for "the check can be judged" where its primary series does not say it
 
 
 @dataclass(frozen=True)
@@ -176,12 +177,12 @@ CHECKS = (
         "ttft_p99_high",
         None,
         "P99 TTFT above the SLO",
-        "the {ttft_quantile} quantile of TTFT over the window, from the histogram, > {ttft_slo} "
+        "the {ttft_quantile} quantile of TTFT over the window, from the histogram, >= {ttft_slo} "
         "(with >= {min_ttft_observations} first tokens)",
         ("window", "ttft_slo", "ttft_quantile", "min_ttft_observations"),
         ("ttft",),
         False,
-        "instance:kvdiag_ttft_seconds:p99_{window} > {ttft_slo_seconds}"
+        "instance:kvdiag_ttft_seconds:p99_{window} >= {ttft_slo_seconds}"
         " and instance:kvdiag_ttft_requests:increase{window} >= {min_ttft_observations}",
     ),
     CheckSpec(
@@ -205,6 +206,8 @@ CHECKS = (
         False,
         "(instance:kvdiag_l2_usage:ratio < {l2_low_occupancy}"
         " or instance:kvdiag_l2_hit:share{window} < {l2_low_hit_share}) and ({S})",
+        # an L2 tier is there when its occupancy is reported or its hit counter counted something
+        "instance:kvdiag_l2_usage:ratio or instance:kvdiag_l2_hit:share{window} > 0",
     ),
 )
 

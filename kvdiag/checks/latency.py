@@ -2,9 +2,10 @@
 
 The estimate is ``histogram_quantile(0.99, rate(ttft_bucket[5m]))`` computed the way
 Prometheus computes it, and the evidence states the bucket bounds it lies between: a bucket
-estimate is only as fine as the buckets. When the quantile falls in the +Inf bucket the
-estimate is the last finite bound, so "above the SLO" is also true when that bound is at or
-above the SLO (old engines' buckets stop at the SLO itself).
+estimate is only as fine as the buckets. The check fires at or above the SLO, not only above
+it: when the quantile falls in the +Inf bucket the estimate is the last finite bound, and old
+engines' buckets stop at the SLO itself (some end at 10 s), where "at least the SLO" is all the
+buckets can say. The rule is the same comparison, ``p99 >= slo``.
 
 Below ``min_ttft_observations`` first tokens in the window the check is ok with the count in
 the evidence: an idle engine never alerts. On a single exposition the quantile is over the
@@ -49,7 +50,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     q = bucket_quantile(config.ttft_quantile, hist.bounds, np.array(hist.counts))
     assert q is not None  # observed > 0
     capped = math.isinf(q.upper)
-    firing = q.value > config.ttft_slo or (capped and q.lower >= config.ttft_slo)
+    firing = q.value >= config.ttft_slo
     values.update({"estimate_seconds": q.value, "bucket_lower": q.lower, "bucket_upper": None if capped else q.upper})
     bounds = f"> {q.lower:g}s (last bucket)" if capped else f"between {q.lower:g}s and {q.upper:g}s"
     summary = (

@@ -21,6 +21,7 @@ from kvdiag.render.promql import (
     broadcast,
     counter_increase,
     counter_rate,
+    counter_total,
     first,
     gauge,
     histogram_rate,
@@ -52,6 +53,17 @@ def series_name(template: str, config: Config) -> str:
 def _catalog(name: str, config: Config) -> tuple[str, str]:
     spec = SERIES[name]
     return series_name(spec.name, config), spec.meaning
+
+
+def _part_ratio(part: str, whole: str, w: str) -> str:
+    """``rate(part) / rate(whole)`` over the scrapes where the part does not exceed its whole.
+
+    The adapters drop both fields of a scrape whose part exceeds its whole (SGLang's tokenizer
+    counts cached tokens at the first token and prompt tokens at the finish, so early on the
+    cached count can be ahead), and rate the counters over the scrapes that remain: the same
+    scrapes are kept here, by a subquery over the summed counters."""
+    bad = f"({part}) > ({whole})"
+    return f"rate((({part}) unless ({bad}))[{w}:]) / rate((({whole}) unless ({bad}))[{w}:])"
 
 
 def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
@@ -122,11 +134,14 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     add("instance:kvdiag_prefix_hit:ratio{window}", first(
         f"{eff_device} / {eff_all}",
         broadcast(lbl, first(
-            f"{counter_rate(lbl, cached, w, device, STREAM)} / {prompt}",
-            f"{counter_rate(lbl, cached, w, partitions=STREAM + ('cache_source',))} / {prompt}",
+            _part_ratio(counter_total(lbl, cached, device, STREAM), counter_total(lbl, S + "prompt_tokens", "", STREAM), w),
+            _part_ratio(counter_total(lbl, cached, "", STREAM + ("cache_source",)),
+                        counter_total(lbl, S + "prompt_tokens", "", STREAM), w),
         )),
         f"{counter_rate(lbl, V + 'prefix_cache_hits', w)} / {counter_rate(lbl, V + 'prefix_cache_queries', w)}",
         f"{counter_rate(lbl, V + 'gpu_prefix_cache_hits', w)} / {counter_rate(lbl, V + 'gpu_prefix_cache_queries', w)}",
+        # vLLM V0 has only a hit-rate gauge: its mean over the window (the Python check's fallback)
+        f"avg_over_time(({gauge(lbl, V + 'gpu_prefix_cache_hit_rate')})[{w}:])",
     ))
 
     # L2 (SGLang HiCache host tier; vLLM exports no L2 occupancy: kv_offload_cpu_cache_usage_perc

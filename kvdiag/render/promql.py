@@ -76,6 +76,12 @@ def counter_rate(lbl: Labels, family: str, window: str, matchers: str = "", part
     return _combine(lbl, f"rate({sel(family, '_total', matchers)}[{window}])", partitions)
 
 
+def counter_total(lbl: Labels, family: str, matchers: str = "", partitions: tuple[str, ...] = ()) -> str:
+    """A counter's value (``<family>_total``) per instance: max over duplicates, summed over
+    ``partitions``, the figure an adapter reads from one scrape."""
+    return _combine(lbl, sel(family, "_total", matchers), partitions)
+
+
 def counter_increase(lbl: Labels, family: str, window: str, suffix: str = "_total", partitions: tuple[str, ...] = ()) -> str:
     return _combine(lbl, f"increase({sel(family, suffix)}[{window}])", partitions)
 

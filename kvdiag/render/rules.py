@@ -108,9 +108,16 @@ def _on(lbl: Labels) -> str:
 
 
 def check_rules(config: Config, lbl: Labels) -> list[Recording]:
+    """A check is known where its primary series exists and, for a check about growth, where the
+    window holds ``min_samples`` scrapes (as the Python check says "needs a window")."""
     out = []
+    waiting = _series("instance:kvdiag_waiting:requests", config)
+    enough = f"count_over_time({waiting}[{config.promql_params()['window']}]) >= {config.promql_params()['min_samples']}"
     for spec in CHECKS:
-        known = f"{INSTANCE_INFO} and {_on(lbl)} {primary_series(spec.name, config)}"
+        primary = f"({spec.known.format(**config.promql_params())})" if spec.known else primary_series(spec.name, config)
+        known = f"{INSTANCE_INFO} and {_on(lbl)} {primary}"
+        if spec.growth:
+            known = f"({known}) and {_on(lbl)} ({enough})"
         firing = f"({known} and {_on(lbl)} ({check_expr(spec.name, config)})) * 0 + 1"
         expr = f"({firing}) or ({known}) * 0"
         out.append(Recording(CHECK_STATUS, expr, f"{spec.name}: {spec.title} (1 firing, 0 ok, absent unknown)", (("check", spec.name),)))

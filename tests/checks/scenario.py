@@ -72,8 +72,13 @@ def recording(
         state.requests_total += requests
         state.prompt_tokens_total += requests * PROMPT
         state.generation_tokens_total += requests * OUTPUT
-        state.prefix_hit_tokens_total += int(requests * PROMPT * hit)
-        state.l2_hit_tokens_total += int(requests * PROMPT * l2_hit)
+        hits, l2_hits = int(requests * PROMPT * hit), int(requests * PROMPT * l2_hit)
+        state.prefix_hit_tokens_total += hits
+        state.l2_hit_tokens_total += l2_hits
+        # SGLang's prefill counters: the uncached input, and the computed / cached split
+        state.prefill_input_tokens_total += requests * PROMPT - hits - l2_hits
+        state.prefill_compute_tokens_total += requests * PROMPT - hits
+        state.prefill_cache_tokens_total += hits
         state.l2_used_tokens = int(l2_used(i))
         body = render(engine, [state], dialect, openmetrics=openmetrics, escape=escape, tp=tp)
         out.append(Scrape(T0 + i * interval, TARGET, content_type(openmetrics), body))

@@ -49,6 +49,10 @@ class Engine:
         if self.l2:
             st.l2_used_tokens = capacity // 10
             st.l2_hit_tokens_total = st.prompt_tokens_total // 100
+        # SGLang's prefill counters: the uncached input, and the computed / cached split
+        st.prefill_input_tokens_total = st.prompt_tokens_total - st.prefix_hit_tokens_total - st.l2_hit_tokens_total
+        st.prefill_compute_tokens_total = st.prompt_tokens_total - st.prefix_hit_tokens_total
+        st.prefill_cache_tokens_total = st.prefix_hit_tokens_total
         return st
 
 
