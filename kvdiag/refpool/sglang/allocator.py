@@ -1,9 +1,10 @@
 """SGLang's device KV slot allocator (L1 pool).
 
 Mirrors ``mem_cache/allocator/token.py`` (page_size 1) and ``allocator/paged.py`` (page_size > 1)
-of SGLang 0.5.23: the pool is a free list of pages; ``alloc`` takes pages from the front of the
-sorted free list, ``free`` parks pages in ``release_pages`` and they are merged back and sorted
-only when the free list runs short (``merge_and_sort_free``). Page 0 is reserved as padding, as
+of SGLang 0.5.23 as the scheduler builds them outside PD disaggregation (``need_sort=False``,
+``kv_cache_configurator.py``): the pool is a free list of pages; ``alloc`` takes pages from its
+front, ``free`` appends the freed pages at its back (page_size 1: in the order given; paged: the
+distinct pages in ascending order, ``torch.unique``). Page 0 is reserved as padding, as
 in SGLang (``free_pages = arange(1, num_pages + 1)``), so usable slots are ``page_size ..
 (num_pages + 1) * page_size - 1``; with page_size 1 that is ``1..size``.
 
@@ -31,23 +32,19 @@ class TokenToKVPoolAllocator:
         self.size = size
         self.page_size = page_size
         self.num_pages = size // page_size
-        # Kept in *descending* order so the smallest free page is popped from the list's end:
-        # same allocation order as SGLang's ascending tensor sliced from the front.
-        self.free_pages: list[int] = list(range(self.num_pages, 0, -1))
-        self.release_pages: list[int] = []
+        # SGLang's free_pages tensor as a list read from ``_head``: slicing the front off a list
+        # costs a copy of the rest, so the consumed prefix is dropped only once it is half.
+        self._free: list[int] = list(range(1, self.num_pages + 1))
+        self._head = 0
         self._owned = bytearray(self.num_pages + 1)  # 1 where a page is allocated
         self._owned_view = np.frombuffer(self._owned, dtype=np.uint8)  # the same bytes, for numpy
 
     def available_size(self) -> int:
-        """Free slots, counting pages parked in ``release_pages`` (as SGLang does)."""
-        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+        """Free slots."""
+        return self.num_free_pages() * self.page_size
 
-    def merge_and_sort_free(self) -> None:
-        """Return released pages to the free list, smallest page first (``allocator/base.py``)."""
-        if self.release_pages:
-            self.free_pages.extend(self.release_pages)
-            self.free_pages.sort(reverse=True)
-            self.release_pages = []
+    def num_free_pages(self) -> int:
+        return len(self._free) - self._head
 
     def alloc(self, need_size: int) -> list[int] | None:
         """``need_size`` slots (whole pages), or None when the pool cannot serve them.
@@ -57,15 +54,16 @@ class TokenToKVPoolAllocator:
         if need_size < 0 or need_size % self.page_size:
             raise ValueError(f"alloc({need_size}) is not a whole number of {self.page_size}-token pages")
         num_pages = need_size // self.page_size
-        if num_pages > len(self.free_pages):
-            self.merge_and_sort_free()
-        if num_pages > len(self.free_pages):
+        if num_pages > self.num_free_pages():
             return None
         if num_pages == 0:
             return []
-        pages = self.free_pages[-num_pages:]
-        del self.free_pages[-num_pages:]
-        pages.reverse()
+        head = self._head
+        pages = self._free[head : head + num_pages]
+        self._head = head = head + num_pages
+        if head > len(self._free) // 2:
+            del self._free[:head]
+            self._head = 0
         taken = self._flip_owned(pages, 0)
         assert taken is None, f"page {taken} on the free list is allocated"
         ps = self.page_size
@@ -92,7 +90,7 @@ class TokenToKVPoolAllocator:
         not_owned = self._flip_owned(pages, 1)
         if not_owned is not None:
             raise ValueError(f"double free: page {not_owned} is not allocated")
-        self.release_pages.extend(pages)
+        self._free.extend(pages)
 
     def _flip_owned(self, pages: list[int], expect: int) -> int | None:
         """Flip the ownership flag of every page from ``expect``; if one is not ``expect``,

@@ -30,7 +30,7 @@ def decode_run(s: SGLangScheduler) -> DecodeRun | None:
         return None
     n = len(batch)
     steps_to_report = s.decode_log_interval - s.forward_ct_decode % s.decode_log_interval
-    k = min(steps_to_report, len(s.allocator.free_pages) // n + 1)
+    k = min(steps_to_report, s.allocator.num_free_pages() // n + 1)
     if k < 3:
         return None  # too short a run
     # One pass over the batch (this runs before nearly every step): the run ends before the step

@@ -94,6 +94,7 @@ class SGLangScheduler:
         self.batch_is_full = False
         self._batch_full_on_kv = False  # why the latch was set (ground truth only)
         self.chunked_req: Req | None = None
+        self._stash_chunked = False  # the chunked request's last chunk is still to commit
         self.last_batch: list[Req] = []  # prefill batch scheduled, not yet merged into running
         self.reqs: dict[SimRequest, Req] = {}  # live requests by their SimRequest (for callers)
         self._aborted: list[Req] = []
@@ -133,6 +134,10 @@ class SGLangScheduler:
         before = self._l2_counters()
         for _ in range(2):  # an idle iteration costs no forward time: retry admission once
             plan.blocked_on_kv = plan.blocked_other = False
+            if self._stash_chunked:  # stash_chunked_request, first thing of get_next_batch_to_run
+                assert self.chunked_req is not None
+                checkpoint_kv_cache(self.chunked_req, self.tree_cache)
+                self._stash_chunked = False
             self._filter_running_batch()
             batch = self._get_new_batch_prefill(plan)
             if batch:
@@ -181,7 +186,7 @@ class SGLangScheduler:
         batch = self.last_batch
         for req in batch:
             if req is self.chunked_req:
-                checkpoint_kv_cache(req, self.tree_cache)  # stash_chunked_request
+                self._stash_chunked = True  # committed at the top of the next iteration
                 continue
             sim = req.sim
             sim.output.append(sim.next_token())
