@@ -34,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stubs  # noqa: E402
+import tiny_model  # noqa: E402
 
 stubs.install(("triton", "torchvision", "setproctitle", "uvicorn"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,14 +65,6 @@ class OracleScheduler(Scheduler):
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"oracle scheduler lacks attribute {name!r}")
-
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "num_hidden_layers": 1, "vocab_size": 32000, "max_position_embeddings": 131072,
-    "torch_dtype": "float16", "rms_norm_eps": 1e-5,
-}  # fmt: skip
 
 
 ARGS: list[ServerArgs] = []  # the args published for the story being run
@@ -256,7 +249,7 @@ def run_story(story: dict[str, Any]) -> None:
 def main() -> None:
     trace = json.load(sys.stdin)
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
+        tiny_model.write(model_dir)
         for story in trace["stories"]:
             publish_args(model_dir, story["config"])
             run_story(story)

@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_model  # noqa: E402
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -37,14 +40,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "num_hidden_layers": 1, "vocab_size": 32000, "max_position_embeddings": 131072,
-    "torch_dtype": "float16", "rms_norm_eps": 1e-5,
-}  # fmt: skip
-
 
 def build(model_dir: str, cfg: dict[str, Any]) -> Scheduler:
     block_size = cfg["block_size"]
@@ -129,7 +124,7 @@ def main() -> None:
     trace = json.load(sys.stdin)
     init_none_hash(sha256)
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
+        tiny_model.write(model_dir)
         for story in trace["stories"]:
             run_story(model_dir, story)
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.types import SimRequest, output_ids
+from kvdiag.refpool.types import EngineScheduler, SimRequest, StepPlan, output_ids
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,25 +88,22 @@ def vllm_reference(story: Story) -> Iterator[dict[str, Any]]:
         c["num_gpu_blocks"], c["block_size"], c["max_num_batched_tokens"], c["max_num_seqs"], c["max_model_len"],
         long_prefill_token_threshold=c["long_prefill_token_threshold"], debug=True,
     )  # fmt: skip
-    arrivals = _arrivals(story)
-    kv, step, last = s.kv_cache_manager, 0, max(arrivals)
-    while step <= last or s.has_work():
-        for r in arrivals.get(step, []):
-            s.add_request(SimRequest(r["rid"], float(step), tuple(r["prompt"]), len(r["output"]), len(r["output"]), True))
-        plan = s.schedule(float(step))
+    kv = s.kv_cache_manager
+
+    def before(plan: StepPlan) -> dict[str, Any]:
         scheduled = {ch.req.rid: ch.num_new_tokens for ch in plan.chunks}
-        blocks = {rid: [b.block_id for b in kv.get_blocks(rid)] for rid in scheduled}
-        s.update_from_output(plan, float(step))
+        return {"scheduled": scheduled, "blocks": {rid: [b.block_id for b in kv.get_blocks(rid)] for rid in scheduled}}
+
+    def after() -> dict[str, Any]:
         st = s.stats()
-        yield {
-            "story": story.name, "step": step,
+        return {
             "running": [r.request_id for r in s.running], "waiting": [r.request_id for r in s.waiting],
             "free_blocks": st.num_free_blocks, "usage": round(st.kv_cache_usage, 12),
             "preemptions": st.num_preemptions_total,
             "prefix_queries": st.prefix_cache_queries_total, "prefix_hits": st.prefix_cache_hits_total,
-            "scheduled": scheduled, "blocks": blocks,
         }  # fmt: skip
-        step += 1
+
+    return drive(story, s, True, before, after)
 
 
 # ------------------------------------------------------------------------------------ SGLang
@@ -142,34 +139,50 @@ def sglang_reference(story: Story) -> Iterator[dict[str, Any]]:
         c["max_total_num_tokens"], c["page_size"], c["max_running_requests"], c["context_len"],
         c["chunked_prefill_size"], c["max_prefill_tokens"], c["schedule_conservativeness"], debug=True,
     )  # fmt: skip
-    arrivals = _arrivals(story)
-    step, last = 0, max(arrivals)
-    while step <= last or s.has_work():
-        for r in arrivals.get(step, []):
-            n = len(r["output"])
-            s.add_request(SimRequest(r["rid"], float(step), tuple(r["prompt"]), n, n, c["ignore_eos"]))
-        plan = s.schedule(float(step))
-        scheduled = {ch.req.rid: ch.num_new_tokens for ch in plan.chunks}
-        slots = {ch.req.rid: list(s.reqs[ch.req].kv_indices) for ch in plan.chunks}
-        s.update_from_output(plan, float(step))
+
+    def before(plan: StepPlan) -> dict[str, Any]:
+        return {
+            "scheduled": {ch.req.rid: ch.num_new_tokens for ch in plan.chunks},
+            "slots": {ch.req.rid: list(s.reqs[ch.req].kv_indices) for ch in plan.chunks},
+        }
+
+    def after() -> dict[str, Any]:
         st = s.stats()
-        yield {
-            "story": story.name, "step": step, "waiting": [r.sim.rid for r in s.waiting_queue],
+        return {
+            "waiting": [r.sim.rid for r in s.waiting_queue],
             "available": st.kv_available_tokens, "evictable": st.kv_evictable_tokens,
             "protected": st.kv_protected_tokens, "retractions": st.num_retracted_requests_total,
             "new_token_ratio": round(st.new_token_ratio, 12),
             "prefix_hits": st.prefill_cache_tokens_total, "prefill_inputs": st.prefill_compute_tokens_total,
-            "scheduled": scheduled, "slots": slots,
         }  # fmt: skip
-        step += 1
+
+    return drive(story, s, c["ignore_eos"], before, after)
 
 
 # ------------------------------------------------------------------------------------ harness
-def _arrivals(story: Story) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
+def drive(
+    story: Story,
+    s: EngineScheduler,
+    ignore_eos: bool,
+    before: Callable[[StepPlan], dict[str, Any]],
+    after: Callable[[], dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """Steps of a reference scheduler over ``story`` as the drivers step the engines: the
+    requests of step ``n`` arrive before its ``schedule``; ``before`` reads what was scheduled
+    (block tables before finished requests release them), ``after`` the state after the step."""
+    arrivals: dict[int, list[dict[str, Any]]] = {}
     for r in story.requests:
-        out.setdefault(r["step"], []).append(r)
-    return out
+        arrivals.setdefault(r["step"], []).append(r)
+    step, last = 0, max(arrivals)
+    while step <= last or s.has_work():
+        for r in arrivals.get(step, []):
+            n = len(r["output"])
+            s.add_request(SimRequest(r["rid"], float(step), tuple(r["prompt"]), n, n, ignore_eos))
+        plan = s.schedule(float(step))
+        scheduled = before(plan)
+        s.update_from_output(plan, float(step))
+        yield {"story": story.name, "step": step, **scheduled, **after()}
+        step += 1
 
 
 def run_oracle(engine: str, stories: list[Story]) -> dict[str, list[dict[str, Any]]]:
