@@ -22,6 +22,7 @@ from kvdiag.render.promql import (
     counter_increase,
     counter_rate,
     counter_total,
+    summed_rate,
     first,
     gauge,
     histogram_rate,
@@ -61,9 +62,14 @@ def _part_ratio(part: str, whole: str, w: str) -> str:
     The adapters drop both fields of a scrape whose part exceeds its whole (SGLang's tokenizer
     counts cached tokens at the first token and prompt tokens at the finish, so early on the
     cached count can be ahead), and rate the counters over the scrapes that remain: the same
-    scrapes are kept here, by a subquery over the summed counters."""
+    scrapes are kept here, by a subquery over the summed counters. Where the part rose more than
+    its whole over the window (a ratio above 1), the window leaves the part out: no ratio here."""
     bad = f"({part}) > ({whole})"
-    return f"rate((({part}) unless ({bad}))[{w}:]) / rate((({whole}) unless ({bad}))[{w}:])"
+    kept_part, kept_whole = f"(({part}) unless ({bad}))[{w}:]", f"(({whole}) unless ({bad}))[{w}:]"
+    # a part that rose more than its whole over the window is no figure there (the window's rule;
+    # max - min is the rise of a counter that did not restart in the window)
+    outgrew = f"max_over_time({kept_part}) - min_over_time({kept_part}) > max_over_time({kept_whole}) - min_over_time({kept_whole})"
+    return f"(rate({kept_part}) / rate({kept_whole})) unless ({outgrew})"
 
 
 def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
@@ -125,7 +131,7 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     # (device source where labelled) over prompt tokens. vLLM: prefix_cache_* (0.9.2+), else
     # the legacy gpu_prefix_cache_* (0.8.x counted blocks; the ratio holds).
     eff = S + "prefill_effective_tokens"
-    eff_all = counter_rate(lbl, eff, w, partitions=("mode",))
+    eff_all = summed_rate(lbl, eff, w, partitions=("mode",))
     prompt = counter_rate(lbl, S + "prompt_tokens", w, partitions=STREAM)
     cached = S + "cached_tokens"
     device, host = 'cache_source="device"', 'cache_source="host"'
@@ -187,10 +193,10 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     # sum implies: pool tokens / average sequence length.
     def per_request(family: str) -> str:
         return first(
-            broadcast(lbl, f"{counter_rate(lbl, S + family, w, partitions=STREAM)}"
-                           f" / ({counter_rate(lbl, S + 'num_requests', w, partitions=STREAM)} > 0)"),
+            broadcast(lbl, f"{summed_rate(lbl, S + family, w, partitions=STREAM)}"
+                           f" / ({summed_rate(lbl, S + 'num_requests', w, partitions=STREAM)} > 0)"),
             f"{counter_rate(lbl, V + family, w)}"
-            f" / ({counter_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))} > 0)",
+            f" / ({summed_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))} > 0)",
         )
 
     prompt_avg = add(None, per_request("prompt_tokens"), f"instance:kvdiag_prompt_tokens:avg{w}",

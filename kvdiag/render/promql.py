@@ -82,6 +82,13 @@ def counter_total(lbl: Labels, family: str, matchers: str = "", partitions: tupl
     return _combine(lbl, sel(family, "_total", matchers), partitions)
 
 
+def summed_rate(lbl: Labels, family: str, window: str, matchers: str = "", partitions: tuple[str, ...] = ()) -> str:
+    """``rate()`` of a counter summed over ``partitions`` (a subquery over ``counter_total``):
+    the rate of the one counter the adapters read, extrapolated once, where a sum of the
+    partitions' rates would extrapolate each partition on its own."""
+    return f"rate(({counter_total(lbl, family, matchers, partitions)})[{window}:])"
+
+
 def counter_increase(lbl: Labels, family: str, window: str, suffix: str = "_total", partitions: tuple[str, ...] = ()) -> str:
     return _combine(lbl, f"increase({sel(family, suffix)}[{window}])", partitions)
 
