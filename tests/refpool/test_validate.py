@@ -5,6 +5,7 @@ catalogue on both engines."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -148,3 +149,31 @@ def test_misleading_instants_exit_non_zero(capsys: pytest.CaptureFixture[str]) -
     assert main(args) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and out["instants"]["misleading"] > 10
+
+
+def test_progress_bar_on_a_terminal() -> None:
+    """On a terminal, validate draws a rich progress bar (on stderr) instead of plain lines."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    main_fd, child_fd = pty.openpty()
+    cmd = [sys.executable, "-m", "kvdiag", "validate", "--scenario", "noisy-healthy", "--engine", "vllm", "--jobs", "1"]
+    proc = subprocess.Popen(cmd, stdin=child_fd, stdout=child_fd, stderr=child_fd, env={**os.environ, "COLUMNS": "120"})
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main_fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    os.close(main_fd)
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))  # colours, cursor moves
+    assert "━" in out and "0/1" in out and "1/1" in out  # the bar and its count, before and after the run
+    assert "validate [1/1]" not in out  # not the piped display
+    assert "final verdicts right" in out
