@@ -125,7 +125,7 @@ def render(console: Console, report: Report) -> None:
     console.print(table)
     console.print(
         f"instants: every scrape from {SCORED_FROM_S:g}s on, against the truth over the {TRUTH_SPAN_S:g}s before it, except "
-        f"{GRACE_S:g}s after each change of truth; onset: ground-truth start of the L1 bottleneck (simulated s); "
+        f"{GRACE_S:g}s after and {TRUTH_SPAN_S:g}s before each change of truth; onset: ground-truth start of the L1 bottleneck (simulated s); "
         "L1 named / SLO breach: seconds after it"
     )
     for r in report.results:
