@@ -3,8 +3,9 @@
 Mirrors ``mem_cache/allocator/token.py`` (page_size 1) and ``allocator/paged.py`` (page_size > 1)
 of SGLang 0.5.23 as the scheduler builds them outside PD disaggregation (``need_sort=False``,
 ``kv_cache_configurator.py``): the pool is a free list of pages; ``alloc`` takes pages from its
-front, ``free`` appends the freed pages at its back (page_size 1: in the order given; paged: the
-distinct pages in ascending order, ``torch.unique``). Page 0 is reserved as padding, as
+front; ``free`` returns slots to its back in the order given (page_size 1, ``token.py``) or pages
+to its *front* (paged, ``_release_page_ids``: ``cat((page_ids, free_pages))``), each page once in
+the order of the freed row (``free_segment``). Page 0 is reserved as padding, as
 in SGLang (``free_pages = arange(1, num_pages + 1)``), so usable slots are ``page_size ..
 (num_pages + 1) * page_size - 1``; with page_size 1 that is ``1..size``.
 
@@ -79,7 +80,7 @@ class TokenToKVPoolAllocator:
         is silent pool corruption, here it is a bug in the model.
         """
         ps = self.page_size
-        pages = sorted({i // ps for i in free_index}) if ps > 1 else list(free_index)
+        pages = list(dict.fromkeys(i // ps for i in free_index)) if ps > 1 else list(free_index)
         if not pages:
             return
         if min(pages) < 1 or max(pages) > self.num_pages:
@@ -90,7 +91,10 @@ class TokenToKVPoolAllocator:
         not_owned = self._flip_owned(pages, 1)
         if not_owned is not None:
             raise ValueError(f"double free: page {not_owned} is not allocated")
-        self._free.extend(pages)
+        if ps == 1:
+            self._free.extend(pages)
+        else:
+            self._free[self._head : self._head] = pages
 
     def _flip_owned(self, pages: list[int], expect: int) -> int | None:
         """Flip the ownership flag of every page from ``expect``; if one is not ``expect``,

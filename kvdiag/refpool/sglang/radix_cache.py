@@ -151,7 +151,9 @@ class RadixCache:
             total_prefix_length += self._insert_matched(node, value[:prefix_len])
             key, value = key[prefix_len:], value[prefix_len:]
         if key:
-            new_node = TreeNode(key=key, value=value, parent=node, last_access_time=t)
+            # A new node is stamped when it is created, after the walk's access time
+            # (``TreeNode.__init__``: time.monotonic()), so it is younger than its path.
+            new_node = TreeNode(key=key, value=value, parent=node, last_access_time=self._tick())
             node.children[self.get_child_key(key)] = new_node
             self.evictable_size_ += len(key)
             self._update_leaf_status(node)
@@ -268,7 +270,7 @@ class RadixCache:
             value=None if child.evicted else child.value[:split_len],  # type: ignore[index]
             parent=parent,
             lock_ref=child.lock_ref,
-            last_access_time=child.last_access_time,
+            last_access_time=self._tick(),  # created now (``TreeNode.__init__``), not the child's time
             hit_count=child.hit_count,
             host_value=None if child.host_value is None else child.host_value[:split_len],
         )

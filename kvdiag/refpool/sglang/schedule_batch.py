@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass, field
 
 from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
@@ -186,7 +188,7 @@ def checkpoint_kv_cache(req: Req, tree: RadixCache) -> None:
     allocator = tree.token_to_kv_pool_allocator
     n = len(req.kv_indices) // tree.page_size * tree.page_size
     key = req.tokens(n)
-    new_prefix_len = tree.insert(key, req.kv_indices[:n])
+    new_prefix_len = _insert_row(req, tree, key)
     if new_prefix_len > req.cache_protected_len:
         allocator.free(req.kv_indices[req.cache_protected_len : new_prefix_len])
     match = tree.match_prefix(key)
@@ -197,6 +199,18 @@ def checkpoint_kv_cache(req: Req, tree: RadixCache) -> None:
     tree.dec_lock_ref(req.last_node)
     tree.inc_lock_ref(match.last_device_node)
     req.last_node = match.last_device_node
+
+
+def _insert_row(req: Req, tree: RadixCache, key: Sequence[int]) -> int:
+    """``RadixCache._insert_cache(split_prompt=True)`` of ``checkpoint``: insert the row under
+    ``key``, then re-insert the prompt so the leaf splits at the prompt boundary ("so eviction can
+    drop the output KV without the prompt"). Returns the first insert's cached prefix length."""
+    n = len(key)
+    new_prefix_len = tree.insert(key, req.kv_indices[:n])
+    p = len(req.origin_input_ids) // tree.page_size * tree.page_size
+    if 0 < p < n:
+        tree.insert(key[:p], req.kv_indices[:p])
+    return new_prefix_len
 
 
 def release_kv_cache(req: Req, tree: RadixCache, checkpoint: bool) -> None:
@@ -211,7 +225,7 @@ def release_kv_cache(req: Req, tree: RadixCache, checkpoint: bool) -> None:
     row, cpl = req.kv_indices, req.cache_protected_len
     if checkpoint:
         n = len(row) // tree.page_size * tree.page_size
-        new_prefix_len = tree.insert(req.tokens(n), row[:n])
+        new_prefix_len = _insert_row(req, tree, req.tokens(n))
         if new_prefix_len > cpl:
             allocator.free(row[cpl:new_prefix_len])
         if len(row) > n:

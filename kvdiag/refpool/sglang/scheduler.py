@@ -40,6 +40,10 @@ from kvdiag.refpool.sglang.stats import SchedulerCounters, SGLangStats
 from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
 
 
+WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
+WAITING_QUEUE_PREFIX_MATCH_MAX = 128
+
+
 def default_max_running_requests(max_total_num_tokens: int, context_len: int) -> int:
     """``kv_cache_configurator.resolve_max_num_reqs`` default."""
     by_pool = min(max(int(max_total_num_tokens / context_len * 512), 2048), 4096)
@@ -95,6 +99,7 @@ class SGLangScheduler:
         self._batch_full_on_kv = False  # why the latch was set (ground truth only)
         self.chunked_req: Req | None = None
         self._stash_chunked = False  # the chunked request's last chunk is still to commit
+        self._prefix_refresh_calls = 0  # SchedulePolicy._waiting_prefix_refresh_calls
         self.last_batch: list[Req] = []  # prefill batch scheduled, not yet merged into running
         self.reqs: dict[SimRequest, Req] = {}  # live requests by their SimRequest (for callers)
         self._aborted: list[Req] = []
@@ -237,6 +242,7 @@ class SGLangScheduler:
             self._set_batch_full(on_kv=False)
             self._mark_blocked(plan, on_kv=False)
             return None
+        self._touch_waiting_prefixes()
         adder = PrefillAdder(
             self.tree_cache, self.running_batch, self.ratio.current, self.max_prefill_tokens, self.chunked_prefill_size
         )
@@ -279,6 +285,19 @@ class SGLangScheduler:
         c.num_prefill_batches += 1
         self._snapshot_report()  # log_prefill_stats runs before the batch allocates
         return adder.can_run_list
+
+    def _touch_waiting_prefixes(self) -> None:
+        """``SchedulePolicy._touch_waiting_prefixes`` (FCFS, LRU; in ``calc_priority``): every
+        32nd pass with a queue, the cached prefixes of its first 128 requests are matched again,
+        head last, so LRU evicts them in reverse admission order. Matching splits nodes at the
+        divergence and refreshes their access time, which decides later evictions."""
+        if not self.waiting_queue:
+            return
+        refresh = self._prefix_refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0
+        self._prefix_refresh_calls += 1
+        if refresh:
+            for req in reversed(self.waiting_queue[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
+                self.tree_cache.match_prefix(req.origin_input_ids + tuple(req.output_ids))
 
     def _prepare_for_extend(self, batch: list[Req], plan: StepPlan, now: float) -> None:
         """Allocate every extend (``alloc_token_slots`` evicts the shortfall first) and write KV."""
