@@ -22,9 +22,6 @@ from kvdiag.model import COUNTER_FIELDS, HISTOGRAM_FIELDS, NUMERIC_FIELDS, PARTS
 #: Each part counter to its whole (hits to queries), from the model's (part, whole) pairs.
 _WHOLE = {part: whole for part, whole in PARTS if part in COUNTER_FIELDS and whole in COUNTER_FIELDS}
 
-#: Theil-Sen slopes use at most this many evenly spaced points (pairs grow quadratically).
-TREND_POINTS = 48
-
 
 @dataclass(frozen=True)
 class QuantileEstimate:
@@ -120,23 +117,6 @@ def bucket_quantile(q: float, bounds: tuple[float, ...], counts: np.ndarray) -> 
         in_bucket -= float(counts[b - 1])
         rank -= float(counts[b - 1])
     return QuantileEstimate(start + (end - start) * (rank / in_bucket), start, end, total)
-
-
-def theil_sen(ts: np.ndarray, values: np.ndarray) -> float | None:
-    """Median of pairwise slopes (units per second): one outlier or a single spike cannot
-    fake a trend, unlike a two-point difference or least squares."""
-    n = len(values)
-    if n < 3:
-        return None
-    if n > TREND_POINTS:
-        idx = np.linspace(0, n - 1, TREND_POINTS).round().astype(int)
-        ts, values = ts[idx], values[idx]
-    i, j = np.triu_indices(len(values), k=1)
-    dt = ts[j] - ts[i]
-    ok = dt > 0
-    if not ok.any():
-        return None
-    return float(np.median((values[j][ok] - values[i][ok]) / dt[ok]))
 
 
 #: A histogram field over a window: (bounds, ts, bucket counts per row, sums, counts).
@@ -350,11 +330,6 @@ class Window:
         if len(vals) < 2 or ts[-1] <= ts[0]:
             return None
         return _increase(vals) / float(ts[-1] - ts[0])
-
-    def trend(self, name: str, since: float | None = None) -> float | None:
-        """Robust slope of a gauge in units per second (Theil-Sen)."""
-        ts, vals = self.points(name, since)
-        return theil_sen(ts, vals)
 
     def _histograms(self, name: str) -> HistogramColumns | None:
         """(bounds, ts, bucket counts, sums, counts) of a histogram field, built once per window.
