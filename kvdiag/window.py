@@ -1,9 +1,9 @@
-"""Per-instance time series of PoolSamples: resets, increases, rates, trends and quantiles.
+"""Per-instance time series of PoolSamples: resets, increases, rates and quantiles.
 
 The checks never look at raw counters: they ask a Window for the increase of a counter over
 a span (reset-safe: a restarted engine starts again from zero, and the new value counts as
 the increase since the restart, exactly as Prometheus' ``increase()`` without extrapolation),
-for a robust trend of a gauge, or for a histogram quantile computed as
+for the points of a gauge, or for a histogram quantile computed as
 ``histogram_quantile(q, rate(h_bucket[w]))`` computes it.
 """
 
