@@ -125,6 +125,7 @@ SGLANG_STORIES = [
     Story("max_running_requests", sglang_config(max_total_num_tokens=2400, max_running_requests=4),
           make_requests(17, 20, 1, (20, 80), (10, 40))),
     Story("conservativeness", sglang_config(schedule_conservativeness=0.3), make_requests(18, 40, 2, (30, 120), (20, 90))),
+    Story("retractions", sglang_config(schedule_conservativeness=0.1), make_requests(21, 24, 1, (20, 60), (150, 300))),
     Story("ignore_eos", sglang_config(ignore_eos=True), make_requests(19, 30, 2, (30, 120), (20, 90))),
     Story("page_size_16", sglang_config(page_size=16, max_total_num_tokens=1600), make_requests(20, 30, 2, (30, 120), (20, 90)),
           known="step 41: a request finishes and SGLang's paged release frees 128 tokens the reference keeps in the tree"),

@@ -398,8 +398,8 @@ class SGLangScheduler:
             c.num_retracted_output_tokens_total += len(req.output_ids)
             req.reset_for_retract()
             req.sim.evictions += 1
-        keep = sorted(sorted_indices)
-        self.running_batch = [batch[i] for i in keep]
+        # filter_batch(keep_indices=sorted_indices): the kept requests stay in retraction order
+        self.running_batch = [batch[i] for i in sorted_indices]
         self.ratio.current = NewTokenRatioTracker.estimate_after_retract(self.running_batch)
         self.waiting_queue.extend(retracted)  # _add_request_to_queue: appended at the tail
         if retracted:
