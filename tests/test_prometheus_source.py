@@ -104,7 +104,7 @@ def _wait_for_samples(url: str, proc: subprocess.Popen, tmp: Path) -> None:
         if proc.poll() is not None:
             pytest.fail(f"prometheus exited: {(tmp / 'prometheus.log').read_text()[-2000:]}")
         try:
-            r = requests.get(f"{url}/api/v1/query", params={"query": "count_over_time(up[1m])"}, timeout=2).json()
+            r = requests.get(f"{url}/api/v1/query", params={"query": "count_over_time(up[1m])"}, timeout=10).json()
             counts = [float(x["value"][1]) for x in r["data"]["result"]]
             if len(counts) == 5 and min(counts) >= SAMPLES_NEEDED:
                 return

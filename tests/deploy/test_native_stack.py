@@ -42,7 +42,7 @@ BUDGET_S = 75.0  # from every target up to the alert firing (about 25 s on 2 idl
 
 
 def _get(url: str, **params: str) -> Any:
-    r = requests.get(url, params=params, timeout=5)
+    r = requests.get(url, params=params, timeout=10)
     r.raise_for_status()
     return r.json()
 

@@ -47,8 +47,10 @@ class Process:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}:\n{self.logs()}")
         try:
-            return requests.get(self.ready_url, timeout=1).status_code == 200
-        except requests.ConnectionError:
+            return requests.get(self.ready_url, timeout=5).status_code == 200
+        except (requests.ConnectionError, requests.Timeout):
+            # Not answering yet (a bound port whose app is still starting on a busy machine
+            # accepts the connection and says nothing): keep waiting until the start deadline.
             return False
 
     def logs(self) -> str:

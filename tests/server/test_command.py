@@ -28,14 +28,14 @@ def test_kvdiag_serve_runs_with_flags_only(engines: dict[str, MetricsServer]) ->
 
     def answers(path: str) -> bool:
         try:
-            return requests.get(base + path, timeout=1).status_code == 200
-        except requests.ConnectionError:
+            return requests.get(base + path, timeout=5).status_code == 200
+        except (requests.ConnectionError, requests.Timeout):  # bound but still starting
             return False
 
     try:
         assert wait_for(lambda: answers("/readyz"), timeout=20), proc.stdout.read() if proc.poll() is not None else "not ready"  # type: ignore[union-attr]
-        assert wait_for(lambda: "kvdiag_verdict{" in requests.get(base + "/metrics", timeout=2).text, timeout=10)
-        assert requests.get(base + "/", timeout=2).text.startswith("<!doctype html>")
+        assert wait_for(lambda: "kvdiag_verdict{" in requests.get(base + "/metrics", timeout=10).text, timeout=30)
+        assert requests.get(base + "/", timeout=10).text.startswith("<!doctype html>")
     finally:
         proc.send_signal(signal.SIGINT)
         try:

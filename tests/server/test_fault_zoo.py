@@ -225,8 +225,8 @@ def test_a_probe_flood_never_reaches_healthz(raw_server: Callable[[Handle], str]
     for t in flood:
         t.start()
     assert wait_for(lambda: len(connections) >= 1 and len(statuses) >= 60 - 4, timeout=20)  # all sent: 4 held, the rest answered
-    health = requests.get(base + "/healthz", timeout=5)  # hang guard: the flood held it 83 s before
-    metrics_page = requests.get(base + "/metrics", timeout=5)
+    health = requests.get(base + "/healthz", timeout=15)  # hang guard: the flood held it 83 s before
+    metrics_page = requests.get(base + "/metrics", timeout=15)
     stop.set()  # the target hangs up: the probes holding the workers end now
     for t in flood:
         t.join(timeout=30)
