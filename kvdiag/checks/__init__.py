@@ -6,6 +6,7 @@ compare against and what their answers mean is defined once in ``kvdiag.checks.c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Callable, Iterable
 
@@ -28,6 +29,8 @@ if list(EVALUATORS) != [c.name for c in CHECKS]:
     raise AssertionError("check modules and catalog disagree")
 
 SIGNAL_CHECKS = tuple(SIGNALS.values())
+
+log = logging.getLogger(__name__)
 
 
 def run_checks(window: Window, config: Config) -> dict[str, CheckResult]:
@@ -77,7 +80,16 @@ def diagnose(window: Window, config: Config) -> Diagnosis:
 
 
 def diagnose_all(windows: Iterable[Window], config: Config) -> list[Diagnosis]:
-    return [diagnose(w, config) for w in windows]
+    """Every instance's diagnosis. One instance's failure (a bug meeting data nobody foresaw)
+    is that instance's ``unknown`` with the reason, logged once; the others are still judged."""
+    out = []
+    for w in windows:
+        try:
+            out.append(diagnose(w, config))
+        except Exception as exc:  # contained per instance, as the exporter contains it per target
+            log.exception("checks failed on %s", w.instance)
+            out.append(undiagnosable(w.instance, f"internal error in the checks: {type(exc).__name__}: {exc}", w.end))
+    return out
 
 
 def undiagnosable(target: str, reason: str, ts: float) -> Diagnosis:

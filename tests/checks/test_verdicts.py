@@ -324,3 +324,23 @@ def test_absent_usage_is_unknown_with_the_reason_and_the_enable_hint(engine: str
     assert d.verdict.name == "unknown" and "kv_usage_saturated unknown" in d.verdict.reason
     assert any(hint in r for r in d.remedies)
     assert d.checks["ttft_p99_high"].status == "unknown" and d.checks["ttft_p99_high"].missing == ("ttft",)
+
+
+def test_a_check_that_fails_on_one_instance_leaves_the_others_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diagnose_all contains a failure per instance, as the exporter contains one per target."""
+    import kvdiag.checks as checks
+    from kvdiag.checks import diagnose_all
+
+    good, bad = window(recording("vllm", **BOTTLENECK)), window(recording("sglang", **BOTTLENECK))
+    real = checks.EVALUATORS["queue_growing"]
+
+    def broken(w, config):  # type: ignore[no-untyped-def]
+        if w.engine == "sglang":
+            raise ZeroDivisionError("float division by zero")
+        return real(w, config)
+
+    monkeypatch.setitem(checks.EVALUATORS, "queue_growing", broken)
+    first, second = diagnose_all([bad, good], CFG)
+    assert first.verdict.name == "unknown" and "internal error in the checks: ZeroDivisionError" in first.verdict.reason
+    assert second.verdict.name == "l1_kv_bottleneck"
+    assert exit_code([first]) == 3 and exit_code([first, second]) == 2  # a critical answer outranks an unknown one
