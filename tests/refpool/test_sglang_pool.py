@@ -151,6 +151,37 @@ def test_paged_allocator_hands_out_whole_pages() -> None:
         TokenToKVPoolAllocator(10, page_size=4)
 
 
+
+def test_paged_free_group_returns_pages_first_released_first() -> None:
+    """Outside a group each paged free goes to the front (the last freed is taken first); a
+    batch's result processing is one free group, whose pages come back in release order."""
+    a = TokenToKVPoolAllocator(16, page_size=4)
+    a.alloc(16)
+    a.free([4])
+    a.free([8])
+    assert a.alloc(4) == [8, 9, 10, 11] and a.alloc(4) == [4, 5, 6, 7]  # every page held again
+    with a.free_group():
+        a.free([4, 5])
+        a.free([9])
+        assert a.available_size() == 0  # held until the group ends, as SGLang's group holds them
+    assert a.available_size() == 8
+    assert a.alloc(4) == [4, 5, 6, 7] and a.alloc(4) == [8, 9, 10, 11]
+
+
+def test_paged_decode_evicts_a_page_per_request_before_it_allocates() -> None:
+    """alloc_paged_token_slots_decode evicts for bs * page_size even when no row needs a new
+    page: check_decode_mem spares the cached leaf, the decode allocation does not."""
+    tree = RadixCache(TokenToKVPoolAllocator(16, page_size=4), page_size=4)
+    put(tree, seq(1, 4))  # page 1, unlocked: evictable
+    held = tree.token_to_kv_pool_allocator.alloc(8)  # pages 2 and 3
+    assert held is not None
+    reqs = [make_req((1,), 10), make_req((2,), 10)]
+    reqs[0].kv_indices, reqs[1].kv_indices = held[0:2], held[4:6]  # both mid-page
+    assert check_decode_mem(reqs, tree) and tree.evicted_tokens_total == 0
+    assert alloc_decode(reqs, tree) == [10, 14]
+    assert tree.evicted_tokens_total == 4 and tree.evictable_size() == 0
+    assert tree.token_to_kv_pool_allocator.available_size() == 8
+
 # ============================================================================ radix cache
 def test_insert_counts_only_the_new_suffix_as_evictable() -> None:
     tree = RadixCache(TokenToKVPoolAllocator(64))

@@ -14,7 +14,8 @@ The allocator counts slots, never bytes: the KV bytes live in the ``KVStore``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -39,6 +40,7 @@ class TokenToKVPoolAllocator:
         self._head = 0
         self._owned = bytearray(self.num_pages + 1)  # 1 where a page is allocated
         self._owned_view = np.frombuffer(self._owned, dtype=np.uint8)  # the same bytes, for numpy
+        self._group: list[int] | None = None  # pages freed inside an open free group, in order
 
     def available_size(self) -> int:
         """Free slots."""
@@ -93,7 +95,24 @@ class TokenToKVPoolAllocator:
             raise ValueError(f"double free: page {not_owned} is not allocated")
         if ps == 1:
             self._free.extend(pages)
+        elif self._group is not None:
+            self._group.extend(pages)
         else:
+            self._free[self._head : self._head] = pages
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        """Hold the paged frees until the group ends, then return them to the front in one block
+        (``free_group_begin`` / ``free_group_end``: ``free_page_ids_group`` concatenated in call
+        order). SGLang opens a group around each batch's result processing, so the pages of
+        several finishing requests come back first-released first, where separate frees would
+        put the last one first. Page size 1 appends to the back either way."""
+        assert self._group is None, "free groups cannot be nested"
+        self._group = []
+        try:
+            yield
+        finally:
+            pages, self._group = self._group, None
             self._free[self._head : self._head] = pages
 
     def _flip_owned(self, pages: list[int], expect: int) -> int | None:

@@ -150,8 +150,15 @@ def alloc_decode(reqs: list[Req], tree: RadixCache) -> list[int]:
     Page size 1 takes the whole batch's slots in one ``alloc(len(reqs))``, as the engine's
     ``alloc_token_slots`` does (so released slots are merged and sorted before the take when the
     free list is short). Paged pools fill each row's last page first (``alloc_extend``).
+
+    Both first evict for the engine's over-estimate, not for what the step needs: one slot per
+    request (``alloc_token_slots(bs)``), or a whole page per request, full last page or not
+    (``alloc_paged_token_slots_decode``: "assume each request needs a new page"). With pages that
+    evicts cached KV that ``check_decode_mem`` left alone, and the freed pages go to the front of
+    the free list, where this step's new pages come from.
     """
     allocator = tree.token_to_kv_pool_allocator
+    tree.evict_to_free_tokens(len(reqs) * allocator.page_size)
     if allocator.page_size != 1:
         return [alloc_extend(req, tree, 1)[0] for req in reqs]
     slots = allocator.alloc(len(reqs))

@@ -166,10 +166,11 @@ class SGLangScheduler:
         finished: list[SimRequest] = []
         # The plan's chunks are the scheduled batch's requests in order; like SGLang, the
         # results are processed over the batch itself (``batch.reqs``), not looked up per chunk.
-        if plan.chunks and plan.chunks[0].is_prefill:  # a batch is all prefill or all decode
-            self._process_batch_result_prefill(now, finished)
-        elif plan.chunks:
-            self._process_batch_result_decode(finished)
+        with self.allocator.free_group():  # as process_batch_result_prefill / _decode do
+            if plan.chunks and plan.chunks[0].is_prefill:  # a batch is all prefill or all decode
+                self._process_batch_result_prefill(now, finished)
+            elif plan.chunks:
+                self._process_batch_result_decode(finished)
         for req in self._aborted:
             finished.append(req.sim)
             self.counters.num_aborted_requests_total += 1
