@@ -10,10 +10,19 @@ which can happen well before the usage gauge reads 1:
   running request. Such an engine refuses a request while its usage gauge reads 0.93-0.97 (with
   long ``max_tokens``, far lower), and its usage is never pinned at 1.
 
+- an engine whose usage gauge is read after a step's finished requests free their room (its
+  adapter says so: ``engines.usage_after_frees``) shows that room as free, yet the next step's
+  admission refills it at once. With short answers a step frees a large share of the pool, so
+  the gauge reads 0.85-0.90 while admission is refused at every step. In steady state a request
+  lives ``output`` steps and the running requests (the gauge, after the frees) hold
+  ``usage x (output - 1) / output`` of what they held at the peak, so one step frees
+  ``usage / (output - 1)`` of the pool (``freed``; nothing where output <= 1: a request that
+  lives one step is bounded by the step's token budget, not the pool).
+
 At the evaluation instant (the newest sample)::
 
     need      = prompt x (1 - hit ratio)  [+ min(output, clip) x (1 + reserve_ratio x running)]
-    admission = min(1, usage + need / capacity)
+    admission = min(1, usage + need / capacity [+ usage / (output - 1)])
 
 ``prompt`` and ``output`` are tokens per finished request, ``rate(tokens[window]) /
 rate(requests[window])``, and ``hit ratio`` is ``rate(hits[window]) / rate(queries[window])``
@@ -50,6 +59,7 @@ class AdmissionUsage:
     usage: np.ndarray
     need_tokens: float  # the room counted as taken beyond the usage gauge, at the newest sample
     need_ratio: float  # need_tokens / capacity (0 where an input is missing)
+    freed_ratio: float  # the share of the pool one step frees, where the gauge is read after frees (in need_ratio)
     admission: float  # min(1, usage + need_ratio) at the newest sample
     prompt_per_request: float | None
     output_per_request: float | None
@@ -75,7 +85,7 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     usage_last = float(usage[-1]) if len(usage) else float("nan")
     if missing or prompt is None or hit is None or not capacity:  # (the last three only narrow the types)
         basis = "usage only: no " + ", ".join(missing)
-        return AdmissionUsage(ts, usage, 0.0, 0.0, usage_last, prompt, output, hit, reserve, basis)
+        return AdmissionUsage(ts, usage, 0.0, 0.0, 0.0, usage_last, prompt, output, hit, reserve, basis)
     need = prompt * (1 - hit)
     basis = "usage and uncached prompt"
     if output is not None and reserve is not None and running is not None:  # the engine reserves output
@@ -83,8 +93,13 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
         charged = min(output, clip) if clip else output
         need = need + charged * (1 + reserve * running)
         basis = "usage, uncached prompt and output reserve"
-    ratio = need / capacity
-    return AdmissionUsage(ts, usage, need, ratio, min(1.0, usage_last + ratio), prompt, output, hit, reserve, basis)
+    freed = 0.0
+    if _usage_after_frees(window.engine) and output is not None and output > 1 and len(usage):
+        freed = usage_last / (output - 1)
+        basis += " and the room one step frees"
+    ratio = need / capacity + freed
+    need = need + freed * capacity
+    return AdmissionUsage(ts, usage, need, ratio, freed, min(1.0, usage_last + ratio), prompt, output, hit, reserve, basis)
 
 
 def _per_request(w: Window, config: Config, field: str) -> float | None:
@@ -100,6 +115,14 @@ def _ratio(w: Window, config: Config, num: str, den: str) -> float | None:
     if n is None or d is None or (n == 0 and d == 0):
         return None
     return n / d if d else None
+
+
+def _usage_after_frees(engine: str) -> bool:
+    """Whether the engine's usage gauge is read after the step's frees (its adapter knows it)."""
+    try:
+        return engines.usage_after_frees(engine)
+    except KeyError:
+        return False
 
 
 def _output_clip(engine: str) -> int | None:

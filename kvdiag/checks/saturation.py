@@ -63,6 +63,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "usage_long_quantile": long_q,
         "need_ratio_last": adm.need_ratio,
         "need_tokens_last": adm.need_tokens,
+        "freed_ratio_last": adm.freed_ratio,
         "prompt_per_request": adm.prompt_per_request,
         "output_per_request": adm.output_per_request,
         "hit_ratio": adm.hit_ratio,

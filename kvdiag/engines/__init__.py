@@ -43,6 +43,12 @@ def output_reserve_clip(engine: str) -> int | None:
     return ADAPTERS[engine].OUTPUT_RESERVE_CLIP  # type: ignore[no-any-return]
 
 
+def usage_after_frees(engine: str) -> bool:
+    """Whether the usage gauge is read after a step's finished requests free their room (which
+    the next admission refills at once), rather than at admission."""
+    return bool(ADAPTERS[engine].USAGE_AFTER_FREES)
+
+
 def enable_hint(engine: str) -> str:
     return ADAPTERS[engine].ENABLE_HINT
 

@@ -89,6 +89,9 @@ ENABLE_HINT = "start SGLang with --enable-metrics (without it /metrics is a 404)
 #: SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION): the running requests' reserve and the next request's.
 OUTPUT_RESERVE_CLIP = 4096
 
+#: token_usage is logged when a batch is formed (after admission), not after the frees.
+USAGE_AFTER_FREES = False
+
 _STREAM = ("is_streaming",)
 
 

@@ -62,6 +62,11 @@ ENABLE_HINT = "vLLM serves vllm:* metrics unless started with --disable-log-stat
 #: Admission reserves no output (it allocates blocks as tokens come), so nothing to clip.
 OUTPUT_RESERVE_CLIP: int | None = None
 
+#: The usage gauge is read after the step's finished requests free their blocks
+#: (Scheduler.update_from_output: _free_request, then make_stats), and the next step's admission
+#: refills that room at once: under load the gauge reads one step's frees below the pool's peak.
+USAGE_AFTER_FREES = True
+
 
 def detect(expo: Exposition) -> bool:
     return any(expo.get(name) is not None for name in SIGNATURE)

@@ -219,8 +219,13 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     prompt_need = f"{prompt_avg} * (1 - {hit})"
     charged = f"clamp_max({output_avg}, {sglang.OUTPUT_RESERVE_CLIP})"
     output_need = f"({charged} * (1 + {reserve} * {running}) or 0 * {prompt_need})"
+    # vLLM reads its usage gauge after the step's frees, which the next admission refills: one
+    # step frees usage / (output - 1) of the pool (nothing where a request lives one step).
+    vllm_output = (f"{counter_rate(lbl, V + 'generation_tokens', w)}"
+                   f" / ({summed_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))} > 0)")
+    freed = f"({usage} / (({vllm_output}) - 1 > 0) or 0 * {prompt_need})"
     need = add("instance:kvdiag_kv_admission_need:ratio{window}", first(
-        f"({prompt_need} + {output_need}) / {capacity} >= 0",  # >= 0 drops NaN (0/0) and -Inf
+        f"(({prompt_need} + {output_need}) / {capacity} + {freed}) >= 0",  # >= 0 drops NaN (0/0) and -Inf
         f"0 * {usage}",
     ))
     add("instance:kvdiag_kv_admission_usage:ratio{window}", f"clamp_max({usage} + {need}, 1)")

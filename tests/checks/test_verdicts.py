@@ -127,7 +127,26 @@ def test_output_reserve_counts_as_taken_where_the_engine_reports_it() -> None:
     assert s["admission_basis"] == "usage, uncached prompt and output reserve"
     p = plain.checks["kv_usage_saturated"].evidence.values
     assert plain.verdict.name == "queue_without_kv_pressure"
-    assert p["admission_usage_last"] == pytest.approx(0.93 + 600 / 200_000) and p["admission_basis"] == "usage and uncached prompt"
+    # plus the room one step frees (the gauge is read after the frees): 0.93 / (500 - 1)
+    assert p["freed_ratio_last"] == pytest.approx(0.93 / 499) and s["freed_ratio_last"] == 0.0
+    assert p["admission_usage_last"] == pytest.approx(0.93 + 600 / 200_000 + 0.93 / 499)
+    assert p["admission_basis"] == "usage and uncached prompt and the room one step frees"
+
+
+def test_room_a_step_frees_counts_as_taken_where_the_gauge_is_read_after_the_frees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """5-token answers: a request lives five steps, so one step frees a quarter of what the
+    running requests hold after it, and the next admission refills it at once. Usage 0.8 and a
+    backlog is a saturated pool on the engine that reads the gauge after the frees (vLLM); an
+    engine that lives one step per request is bounded by its token budget: nothing is added."""
+    monkeypatch.setattr("tests.checks.scenario.OUTPUT", 5)
+    kw = dict(usage=const(0.8), waiting=ramp(1, 0.5), running=const(80))
+    d = run("vllm", **kw)
+    s = d.checks["kv_usage_saturated"].evidence.values
+    assert s["freed_ratio_last"] == pytest.approx(0.8 / 4) and s["admission_usage_last"] == 1.0
+    assert d.verdict.name == "l1_kv_pressure"
+    monkeypatch.setattr("tests.checks.scenario.OUTPUT", 1)
+    one = run("vllm", **kw).checks["kv_usage_saturated"].evidence.values
+    assert one["freed_ratio_last"] == 0.0 and one["admission_usage_last"] == pytest.approx(0.8 + 600 / 200_000)
 
 
 def test_output_reserve_is_clipped_as_the_engine_clips_it(monkeypatch: pytest.MonkeyPatch) -> None:
