@@ -113,7 +113,8 @@ SERIES = {
         Series("instance:kvdiag_kv_usage:ratio", "usage_ratio", "active (non-evictable) KV usage 0-1; max over TP ranks"),
         Series("instance:kvdiag_kv_admission_need:ratio{window}", "usage_ratio",
                "the room the next admission needs beyond the usage gauge (uncached prompt; output and the running "
-               "requests' output reserve where the engine reserves it) over capacity; 0 where an input is missing"),
+               "requests' output reserve where the engine reserves it; the room one step frees where the gauge is "
+               "read after the frees) over capacity; 0 where an input is missing"),
         Series("instance:kvdiag_kv_admission_usage:ratio{window}", "usage_ratio",
                "usage + admission need, at most 1 (what admission counts as taken now)"),
         Series("instance:kvdiag_waiting:requests", "waiting", "requests in the waiting queue; max over TP ranks"),

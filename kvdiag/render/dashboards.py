@@ -111,7 +111,8 @@ def overview(config: Config, lbl: Labels = Labels()) -> Dashboard:
                 Query(f"quantile(0.5, {n['admission']}{s})", "median"),
                 Query(f"min({n['admission']}{s})", "min"),
             ), "Admission usage across instances (active usage + the room the next admission needs: its uncached prompt, "
-               "and the output reserve where the engine keeps one); the line is the saturation threshold.",
+               "the output reserve where the engine keeps one, the room one step frees where the gauge is read after the "
+               "frees); the line is the saturation threshold.",
                   "percentunit", thresholds=((config.saturated_usage, "red"),), max=1.0),
             per_instance("waiting", "Waiting requests", "short", "Requests in each instance's waiting queue."),
             per_instance("evictions", "Evictions per second", "reqps", "Running requests retracted (SGLang) or preempted (vLLM) and recomputed."),
@@ -149,7 +150,8 @@ def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
                 Query(f"{n['usage']}{s}", leg + " usage"),
                 Query(f"{n['admission']}{s}", leg + " admission"),
             ), "Active (non-evictable) share of the pool, and admission usage: that plus the room the next admission "
-               "needs (uncached prompt; output and the running requests' output reserve where the engine reserves it). "
+               "needs (uncached prompt; output and the running requests' output reserve where the engine reserves it; the "
+               "room one step frees where the gauge is read after the frees). "
                "The line is the saturation threshold, applied to admission usage.", "percentunit",
                   thresholds=((config.saturated_usage, "red"),), max=1.0),
             Panel("Waiting and running", "timeseries", (
