@@ -89,7 +89,10 @@ ENABLE_HINT = "start SGLang with --enable-metrics (without it /metrics is a 404)
 #: SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION): the running requests' reserve and the next request's.
 OUTPUT_RESERVE_CLIP = 4096
 
-#: token_usage is logged when a batch is formed (after admission), not after the frees.
+#: token_usage is read when a batch's results are processed (0.5.23 batch_result_processor:
+#: report_prefill_stats / report_decode_stats), mostly for prefill batches (decode: every
+#: decode_log_interval-th), right after that batch's admission: a prefill frees only the requests
+#: that end at their first token, so the gauge is not one step's frees below the peak.
 USAGE_AFTER_FREES = False
 
 _STREAM = ("is_streaming",)
