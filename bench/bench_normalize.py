@@ -12,21 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
+from bench_checks import best  # best of N calls, in seconds (bench/ is on sys.path when run)
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import Scrape
 from kvdiag.refpool.emit import EngineState, render
-
-
-def _best(fn, repeat: int) -> float:
-    """Best of ``repeat`` calls, in seconds (least disturbed by other load on a shared machine)."""
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return min(runs)
 
 
 def main() -> None:
@@ -43,7 +33,7 @@ def main() -> None:
             scrape = Scrape(ts=0.0, target="http://127.0.0.1:1", content_type="text/plain", body=render(engine, states, openmetrics=False))
             got = normalize_scrape(scrape)
             assert len(got) == n, (engine, n, len(got))
-            seconds = _best(lambda: normalize_scrape(scrape), args.repeat)
+            seconds = best(lambda: normalize_scrape(scrape), args.repeat)
             per = seconds / n
             base = per if base is None else base
             result[f"{engine}_{n}"] = {"seconds": round(seconds, 5), "per_instance_ratio": round(per / base, 2)}

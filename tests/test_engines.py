@@ -189,7 +189,7 @@ def test_instance_cap_is_checked_before_any_instance_is_normalized(engine: str, 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_server_wide_series_reach_every_data_parallel_instance(engine: str) -> None:
-    """Grouping samples by split label keeps what belongs(): split rows per instance, unsplit rows for all."""
+    """Grouping samples by split label: split rows go to their instance, unsplit rows to all."""
     states = [EngineState(capacity_tokens=1000 * (i + 1), running=i, prompt_tokens_total=100 * i) for i in range(4)]
     got = normalize_scrape(Scrape(0.0, T, None, render(engine, states, openmetrics=False)))
     assert [s.running for s in got] == [0, 1, 2, 3]

@@ -47,15 +47,6 @@ def instance_key(target: str, split: dict[str, str]) -> str:
     return " ".join([target] + [f"{k}={v}" for k, v in sorted(split.items())])
 
 
-def belongs(sample: Sample, split: dict[str, str]) -> bool:
-    """A sample belongs to an instance when it carries its split labels or none of them.
-
-    Server-wide series (SGLang's tokenizer process has no ``dp_rank``) belong to every
-    instance of the server; ``server_wide`` says when that happened.
-    """
-    return all(sample.labels.get(k, v) == v for k, v in split.items())
-
-
 @dataclass
 class _Groups:
     """One family's samples keyed by (suffix, values of the split labels; None where missing)."""
@@ -81,7 +72,10 @@ def _groups(fam: Family, keys: tuple[str, ...]) -> _Groups:
 
 
 def members(fam: Family, split: dict[str, str], suffix: str) -> list[Sample]:
-    """The samples of one suffix that ``belong`` to an instance, in exposition order."""
+    """The samples of one suffix that belong to an instance, in exposition order: those that
+    carry its split labels or none of them. Server-wide series (SGLang's tokenizer process has
+    no ``dp_rank``) belong to every instance of the server; ``server_wide`` says when that
+    happened."""
     keys = tuple(sorted(split))
     by_key = _groups(fam, keys).by_key
     if not keys:
