@@ -58,6 +58,22 @@ def make_requests(
     return out
 
 
+def make_prefix_groups(
+    seed: int, n: int, every: int, groups: int, prefix: int, suffix: tuple[int, int], output: tuple[int, int]
+) -> list[dict[str, Any]]:
+    """``n`` requests, one every ``every`` steps, cycling over ``groups`` distinct ``prefix``-token
+    prompt prefixes (then their own ``suffix`` tokens): when the groups' prefixes together outgrow
+    L1, each group's prefix is evicted from it before the group comes round again (an L2 hit)."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 30000) for _ in range(prefix)] for _ in range(groups)]
+    out = []
+    for i in range(n):
+        rid = f"s{seed}-r{i}"
+        p = heads[i % groups] + [rng.randrange(1, 30000) for _ in range(rng.randint(*suffix))]
+        out.append({"rid": rid, "step": i * every, "prompt": p, "output": output_ids(rid, rng.randint(*output))})
+    return out
+
+
 # ------------------------------------------------------------------------------------ vLLM
 def vllm_config(**kw: Any) -> dict[str, Any]:
     cfg = {"block_size": 16, "num_gpu_blocks": 64, "max_num_seqs": 64, "max_num_batched_tokens": 256,
@@ -77,7 +93,26 @@ VLLM_STORIES = [
     Story("long_prefill_threshold", vllm_config(num_gpu_blocks=128, long_prefill_token_threshold=40),
           make_requests(6, 16, 6, (50, 300), (5, 40))),
     Story("max_num_seqs", vllm_config(num_gpu_blocks=128, max_num_seqs=4), make_requests(7, 20, 1, (20, 80), (10, 40))),
+    # CPU offloading (OffloadingConnector, CPU backend) with a sync-load budget covering every hit:
+    # a CPU hit is copied into its freshly allocated GPU blocks before that step's forward.
+    Story("cpu_offloading", vllm_config(cpu_blocks=160, sync_load_budget_bytes=1 << 30),
+          make_prefix_groups(8, 36, 3, 6, 160, (10, 60), (10, 40))),
+    # The default (no sync-load budget): every CPU hit loads asynchronously.
+    Story("cpu_offloading_async", vllm_config(cpu_blocks=160), make_prefix_groups(8, 36, 3, 6, 160, (10, 60), (10, 40))),
 ]  # fmt: skip
+KNOWN_DIVERGENCES = {  # story -> why the reference departs from the engine (strict xfail: fixing it fails the mark)
+    "cpu_offloading_async": "vLLM parks a request with an asynchronous CPU load in WAITING_FOR_REMOTE_KVS (GPU blocks "
+    "held, not scheduled) until the step after the load completes; the reference loads synchronously",
+}
+
+
+def marked(stories: list[Story]) -> list[Any]:
+    """The stories as test parameters, a known divergence as a strict xfail."""
+    return [
+        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DIVERGENCES[s.name]))
+        if s.name in KNOWN_DIVERGENCES else s
+        for s in stories
+    ]  # fmt: skip
 
 
 def vllm_reference(story: Story) -> Iterator[dict[str, Any]]:
@@ -85,21 +120,29 @@ def vllm_reference(story: Story) -> Iterator[dict[str, Any]]:
     c = story.config
     s = VLLMScheduler(
         c["num_gpu_blocks"], c["block_size"], c["max_num_batched_tokens"], c["max_num_seqs"], c["max_model_len"],
-        long_prefill_token_threshold=c["long_prefill_token_threshold"], debug=True,
+        long_prefill_token_threshold=c["long_prefill_token_threshold"], kv_offloading_blocks=c.get("cpu_blocks", 0),
+        debug=True,
     )  # fmt: skip
     kv = s.kv_cache_manager
+    moved = {"offload_loaded_blocks": 0, "offload_stored_blocks": 0}
 
     def before(plan: StepPlan) -> dict[str, Any]:
         scheduled = {ch.req.rid: ch.num_new_tokens for ch in plan.chunks}
+        moved["offload_loaded_blocks"] += plan.loaded_tokens // c["block_size"]
+        moved["offload_stored_blocks"] += plan.stored_tokens // c["block_size"]
         return {"scheduled": scheduled, "blocks": {rid: [b.block_id for b in kv.get_blocks(rid)] for rid in scheduled}}
 
     def after() -> dict[str, Any]:
         st = s.stats()
+        offload = {
+            **moved, "external_queries": st.external_prefix_cache_queries_total,
+            "external_hits": st.external_prefix_cache_hits_total, "cpu_used_blocks": st.cpu_offload_used_blocks,
+        } if c.get("cpu_blocks") else {}  # fmt: skip
         return {
             "running": [r.request_id for r in s.running], "waiting": [r.request_id for r in s.waiting],
             "free_blocks": st.num_free_blocks, "usage": round(st.kv_cache_usage, 12),
             "preemptions": st.num_preemptions_total,
-            "prefix_queries": st.prefix_cache_queries_total, "prefix_hits": st.prefix_cache_hits_total,
+            "prefix_queries": st.prefix_cache_queries_total, "prefix_hits": st.prefix_cache_hits_total, **offload,
         }  # fmt: skip
 
     return drive(story, s, True, before, after)
@@ -226,7 +269,7 @@ def vllm_oracle() -> dict[str, list[dict[str, Any]]]:
     return run_oracle("vllm", VLLM_STORIES)
 
 
-@pytest.mark.parametrize("story", VLLM_STORIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("story", marked(VLLM_STORIES), ids=lambda s: s.name)
 def test_vllm_reference_equals_vllm_scheduler_every_step(story: Story, vllm_oracle: dict[str, list[dict[str, Any]]]) -> None:
     assert_same_steps("vllm", vllm_oracle[story.name], vllm_reference(story))
 
@@ -236,7 +279,7 @@ def sglang_oracle() -> dict[str, list[dict[str, Any]]]:
     return run_oracle("sglang", SGLANG_STORIES)
 
 
-@pytest.mark.parametrize("story", SGLANG_STORIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("story", marked(SGLANG_STORIES), ids=lambda s: s.name)
 def test_sglang_reference_equals_sglang_scheduler_every_step(
     story: Story, sglang_oracle: dict[str, list[dict[str, Any]]]
 ) -> None:

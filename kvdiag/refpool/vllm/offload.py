@@ -8,8 +8,9 @@ LRU policy (``cpu/policies/lru.py``), for one offloaded block per GPU block (``b
 
 What matters for the diagnosis, and is modelled exactly:
 
-* write-through: every scheduled request's newly completed full blocks are stored D->H after the
-  forward of the step that completed them; GPU eviction never triggers a copy;
+* write-through: every scheduled request's newly completed full *prompt* blocks are stored D->H
+  after the forward of the step that completed them (``offload_prompt_only``, default True in
+  0.33.0: blocks of decoded tokens are never offloaded); GPU eviction never triggers a copy;
 * the CPU pool evicts LRU ready blocks only when a store needs room; blocks being loaded are pinned;
 * a CPU hit never helps admission: ``allocate_slots`` must first allocate GPU blocks for the hit
   tokens, and only then are they copied H->D into those blocks.
@@ -236,7 +237,8 @@ class OffloadingConnector:
         self._reqs_to_load = []
         for request, num_new_tokens, blocks in scheduled:
             rid = request.request_id
-            total_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+            # offload_prompt_only (default True in 0.33.0): decoded tokens' blocks are never stored
+            total_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_prompt_tokens)
             num_blocks = total_tokens // self.block_size
             start = self._next_stored_block_idx.get(rid, 0)
             if num_blocks <= start:
