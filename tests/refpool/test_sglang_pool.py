@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Sequence
 
@@ -823,6 +824,71 @@ def test_tree_invariants_under_random_operations(ops: list[tuple], page_size: in
         assert all(c == 1 for c in slots_owned.values())
         assert len(slots_owned) + allocator.available_size() == 32
         assert tree.evictable_size() + tree.protected_size() == tree.total_size()
+
+
+class SnapshotEvictTree(HiRadixCache):
+    """SGLang's ``evict`` as written: a heap of every evictable leaf, built at each call."""
+
+    def evict(self, num_tokens: int) -> int:
+        heap = [(n.last_access_time, n.id, n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        num_evicted = 0
+        while num_evicted < num_tokens and heap:
+            _, _, x = heapq.heappop(heap)
+            parent = x.parent
+            num_evicted += self._evict_leaf(x)
+            if parent in self.evictable_leaves:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self.evicted_tokens_total += num_evicted
+        return num_evicted
+
+
+def tree_shape(tree: RadixCache) -> list[tuple]:
+    """Every node's path key, device and host slots and lock: equal trees, equal shapes."""
+    out, stack = [], [((), tree.root_node)]
+    while stack:
+        path, node = stack.pop()
+        out.append((path, node.value, node.host_value, node.lock_ref, node.last_access_time))
+        stack.extend((path + child.key, child) for child in node.children.values())
+    return sorted(out, key=lambda row: row[0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=tree_ops, policy=st.sampled_from(["write_through", "write_back"]))
+def test_persistent_eviction_heap_evicts_as_sglang_heapify_per_call(ops: list[tuple], policy: str) -> None:
+    """The tree's eviction heap kept across calls evicts the same leaves in the same order as
+    SGLang's heap rebuilt at every call, through matches that re-time leaves, locks, demotes,
+    load-backs and host evictions (the same operations on both trees, compared after each)."""
+    trees = []
+    for cls in (HiRadixCache, SnapshotEvictTree):
+        alloc = TokenToKVPoolAllocator(24)
+        trees.append((cls(alloc, 1, None, hicache_ratio=0.5, hicache_write_policy=policy, load_back_threshold=2), alloc, []))
+    for op in ops:
+        results = []
+        for tree, alloc, locks in trees:
+            name, r = op[0], None
+            if name == "insert":
+                tree.evict_to_free_tokens(len(op[1]))
+                slots = alloc.alloc(len(op[1]))
+                if slots is not None:
+                    r = tree.insert(tuple(op[1]), slots)
+                    if r:
+                        alloc.free(slots[:r])
+            elif name in ("match", "load"):
+                m = tree.match_prefix(tuple(op[1]))
+                if name == "match" and op[2]:
+                    tree.inc_lock_ref(m.last_device_node)
+                    locks.append(m.last_device_node)
+                elif name == "load" and m.host_hit_length:
+                    r = tree.load_back(m.last_host_node)
+            elif name == "unlock" and locks:
+                tree.dec_lock_ref(locks.pop(op[1] % len(locks)))
+            elif name == "evict":
+                r = tree.evict(op[1])
+            elif name == "evict_host":
+                r = tree.evict_host(op[1])
+            results.append((r, alloc._free[alloc._head :], tree_shape(tree), tree.evictable_size(), tree.evicted_tokens_total))
+        assert results[0] == results[1]
 
 
 @st.composite

@@ -80,6 +80,9 @@ class RadixCache:
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
+        # (last_access_time, id, node) of every evictable leaf, kept across ``evict`` calls;
+        # entries go stale (the node left the set or was touched since) and are skipped lazily.
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
         self.evicted_tokens_total = 0  # sglang:evicted_tokens_total
         self._clock = 0
 
@@ -197,16 +200,27 @@ class RadixCache:
 
         Whole leaves only, so the result can exceed ``num_tokens`` by up to one leaf. A parent
         joins the heap once its last device child is gone and it is unlocked.
+
+        SGLang heapifies every evictable leaf on each call; with thousands of cached leaves
+        that is most of a full pool's time. The heap here persists instead (``_leaf_heap``) and
+        pops the same leaves in the same order: each pop is the least (access time, id) among
+        the evictable leaves as they are now, because every leaf has an entry no later than
+        its access time (pushed when it became a leaf; times only grow), and an entry whose
+        leaf has gone or been touched since is dropped or pushed again with the new time.
         """
-        heap = [(n.last_access_time, n.id, n) for n in self.evictable_leaves]
-        heapq.heapify(heap)
+        heap, leaves = self._leaf_heap, self.evictable_leaves
+        if len(heap) > 2 * len(leaves) + 64:  # mostly stale entries: rebuild
+            heap[:] = [(n.last_access_time, n.id, n) for n in leaves]
+            heapq.heapify(heap)
         num_evicted = 0
         while num_evicted < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
-            parent = x.parent
-            num_evicted += self._evict_leaf(x)
-            if parent in self.evictable_leaves:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))  # type: ignore[union-attr]
+            t, _, x = heapq.heappop(heap)
+            if x not in leaves:
+                continue
+            if x.last_access_time != t:
+                heapq.heappush(heap, (x.last_access_time, x.id, x))
+                continue
+            num_evicted += self._evict_leaf(x)  # a parent left evictable is pushed by _update_leaf_status
         self.evicted_tokens_total += num_evicted
         return num_evicted
 
@@ -317,6 +331,8 @@ class RadixCache:
             and all(c.evicted for c in node.children.values())
         )
         if evictable:
-            self.evictable_leaves.add(node)
+            if node not in self.evictable_leaves:
+                self.evictable_leaves.add(node)
+                heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
         else:
             self.evictable_leaves.discard(node)
