@@ -13,7 +13,7 @@ import sys
 from kvdiag import __version__
 
 #: Subcommands, in the order ``kvdiag --help`` lists them.
-COMMANDS = ("demo", "inspect", "record", "diagnose", "capacity", "explain", "serve", "render", "simulate", "validate")
+COMMANDS = ("demo", "inspect", "record", "diagnose", "capacity", "explain", "serve", "render", "simulate", "validate", "whatif")
 
 
 def build_parser() -> argparse.ArgumentParser:

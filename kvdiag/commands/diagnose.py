@@ -44,6 +44,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="verdict per instance: does the GPU KV pool (L1) cap concurrency and drive P99 TTFT?",
         description="Exit code: 0 healthy or near capacity, 1 warning, 2 L1 bottleneck, 3 unknown or error (worst over instances).",
     )
+    add_source_arguments(p)
+    add_threshold_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while sampling")
+    return p
+
+
+def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
+    """The checks' thresholds (``thresholds`` reads these): shared by diagnose and whatif."""
+    p.add_argument("--config", metavar="YAML", help="thresholds file (its 'checks:' section)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
+    p.add_argument("--window", metavar="DURATION", help="the checks' window (default 5m)")
+    p.add_argument("--ttft-slo", metavar="DURATION", help="the TTFT SLO (default 10s)")
+
+
+def add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the samples come from (``collect`` reads these): shared by diagnose and whatif."""
     p.add_argument("inputs", nargs="*", metavar="URL|FILE", help="engine URL (sampled), saved exposition file, or recording")
     p.add_argument("--replay", action="append", metavar="REC", help="a recording (.jsonl.gz) made by `kvdiag record`")
     p.add_argument("--prometheus", metavar="URL", help="read a past window from this Prometheus server (query_range)")
@@ -54,15 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--duration", default="60s", metavar="DURATION", help="how long to sample engine URLs (default 60s)")
     p.add_argument("--timeout", default="10s", metavar="DURATION", help="deadline of each scrape, connect to last byte (default 10s)")
     p.add_argument("--engine", default="auto", choices=("auto", "sglang", "vllm"), help="expect this engine (default: detect)")
-    p.add_argument("--config", metavar="YAML", help="thresholds file (its 'checks:' section)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
-    p.add_argument("--window", metavar="DURATION", help="the checks' window (default 5m)")
-    p.add_argument("--ttft-slo", metavar="DURATION", help="the TTFT SLO (default 10s)")
-    p.add_argument("--json", action="store_true", help="print the JSON report")
-    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar while sampling")
     add_log_arguments(p)
-    return p
 
 
 @dataclass
@@ -94,7 +104,7 @@ class Collected:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = _config(args)
+        config = thresholds(args)
         collected = collect(args)
     except (cfg.ConfigError, ValueError, OSError, RecordingError, PrometheusError) as exc:
         print(f"kvdiag diagnose: {exc}", file=sys.stderr)
@@ -221,7 +231,7 @@ def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> No
                 time.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
 
 
-def _config(args: argparse.Namespace) -> cfg.Config:
+def thresholds(args: argparse.Namespace) -> cfg.Config:
     overrides = list(args.set)
     if args.window:
         overrides.append(f"window={args.window}")

@@ -69,15 +69,20 @@ class Chart:
     empty: str = ""  # shown instead of a plot when there is nothing to draw
 
 
-def write_report(path: str | Path, diagnoses: Sequence[Diagnosis], windows: Mapping[str, Window], config: Config) -> None:
-    Path(path).write_text(render(diagnoses, windows, config), encoding="utf-8")
+def write_report(
+    path: str | Path, diagnoses: Sequence[Diagnosis], windows: Mapping[str, Window], config: Config,
+    extra: Mapping[str, str] | None = None,
+) -> None:  # fmt: skip
+    Path(path).write_text(render(diagnoses, windows, config, extra), encoding="utf-8")
 
 
-def render(diagnoses: Sequence[Diagnosis], windows: Mapping[str, Window], config: Config) -> str:
+def render(diagnoses: Sequence[Diagnosis], windows: Mapping[str, Window], config: Config, extra: Mapping[str, str] | None = None) -> str:
+    """The report; ``extra`` appends an HTML fragment to an instance's section (whatif's)."""
     sections = []
     for d in diagnoses:
         w = windows.get(d.instance)
-        sections.append(_instance(d, w, timeline(w, config) if w is not None and len(w) > 1 else None, config))
+        sections.append(_instance(d, w, timeline(w, config) if w is not None and len(w) > 1 else None, config)
+                        + (extra or {}).get(d.instance, ""))  # fmt: skip
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     rows = "".join(
         f"<tr><td><a href='#i{i}'>{_e(d.instance)}</a></td><td>{_e(d.engine)}</td><td>{_badge(d.verdict.name)}</td>"

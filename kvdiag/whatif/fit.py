@@ -1,0 +1,303 @@
+"""Fit a reference-pool workload and deployment to one instance's window, from its own series.
+
+What the series give, and what becomes of it:
+
+* **arrivals**: requests that finished in each scrape interval (the request counter's reset-safe
+  increase) plus the change in requests in the engine (running + waiting), bucketed and replayed
+  as Poisson arrivals at each bucket's rate (``StepRate``); the requests in flight at the
+  window's start arrive in its first bucket;
+* **lengths**: prompt and generated tokens per finished request (the token counters over the
+  request counter). The adapters expose no length histograms, so only the means are read; the
+  spread is assumed (log-normal, the catalogue's chat load's sigmas) and said so;
+* **prefix sharing**: the window's hit ratio (hit tokens over queried, or over prompt tokens)
+  becomes the share of each prompt that is one of a few system prompts (how many is assumed);
+* **the pool**: its capacity in tokens and block size as reported; the model from the
+  ``model_name`` label where it names a preset; TP and the memory fraction inferred as the pair
+  that gives the reported pool on the GPU assumed; the L2 tier from its capacity series;
+* **limits**: a running count pinned at one value while requests waited and the pool had room
+  is the engine's admission cap (inferred); otherwise the reference engine's default (assumed).
+
+Every knob is listed with its basis (read, inferred or assumed), so a poor calibration can be
+traced to what was guessed. ``FitError`` says which series are missing when a fit is impossible.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from kvdiag import capacity
+from kvdiag.refpool.scenarios import Scenario
+from kvdiag.refpool.workload import Fixed, LengthDist, LogNormal, SharedPrefix, Workload
+from kvdiag.whatif.levers import Sized
+from kvdiag.window import Window, counter_step
+
+#: Assumed spread of prompt and output lengths (log-normal sigma): the catalogue's chat load.
+PROMPT_SIGMA = 0.4
+OUTPUT_SIGMA = 0.5
+#: Assumed number of distinct shared prefixes (system prompts) behind the hit ratio.
+PREFIX_GROUPS = 4
+#: Hit ratios below this are replayed as no sharing.
+MIN_SHARE = 0.02
+#: At most this many arrival-rate buckets over the window (each at least one scrape interval).
+MAX_BUCKETS = 240
+#: A running count pinned at its peak in at least this share of the samples where requests
+#: waited with the pool under ``CAP_USAGE`` reads as the engine's admission cap.
+CAP_SHARE = 0.5
+CAP_USAGE = 0.8
+ASSUMED_MODEL = "llama-3-70b"
+TYPICAL_FRACTION = 0.9  # the engines' usual static memory fraction: the TP whose fit is nearest wins
+REFERENCE_BLOCK = 16  # the reference vLLM pool's block size
+
+
+class FitError(ValueError):
+    """The window lacks what a fit needs; the message names the series."""
+
+
+@dataclass(frozen=True)
+class StepRate:
+    """Poisson arrivals at ``rates[i]`` per second over ``[edges[i], edges[i+1])``, none after
+    the last edge (the replay ends with the window)."""
+
+    edges: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def times(self, rng: np.random.Generator) -> Iterator[float]:
+        for lo, hi, rate in zip(self.edges, self.edges[1:], self.rates):
+            t = lo
+            while rate > 0:  # memoryless: a fresh draw from each bucket's start is exact
+                t += rng.exponential(1.0 / rate)
+                if t >= hi:
+                    break
+                yield t
+
+    def scaled(self, factor: float) -> StepRate:
+        return StepRate(self.edges, tuple(r * factor for r in self.rates))
+
+    @property
+    def total(self) -> float:
+        """Expected arrivals over the whole window."""
+        return float(sum(r * (hi - lo) for lo, hi, r in zip(self.edges, self.edges[1:], self.rates)))
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One fitted input and where it came from: ``read`` (a series), ``inferred`` (from several),
+    ``assumed`` (not in the series at all)."""
+
+    name: str
+    value: str
+    basis: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """An instance's window as a reference-pool scenario."""
+
+    instance: str
+    engine: str
+    model: str | None
+    start: float  # the window's first sample (unix seconds)
+    duration: float
+    interval: float  # median scrape interval
+    arrivals: StepRate
+    prompt_tokens: float  # mean per finished request
+    output_tokens: float
+    hit_ratio: float | None
+    pool_tokens: int
+    max_running: int | None
+    l2_ratio: float | None
+    deployment: Sized
+    knobs: tuple[Knob, ...]
+
+    @property
+    def rate(self) -> float:
+        return self.arrivals.total / self.duration if self.duration > 0 else 0.0
+
+    @property
+    def assumed(self) -> list[Knob]:
+        return [k for k in self.knobs if k.basis == "assumed"]
+
+    def workload(self, seed: int = 0) -> Workload:
+        share = self.hit_ratio or 0.0
+        prefix = SharedPrefix(PREFIX_GROUPS, min(share, 0.98)) if share >= MIN_SHARE else None
+        return Workload(self.arrivals, _lengths(self.prompt_tokens, PROMPT_SIGMA), _lengths(self.output_tokens, OUTPUT_SIGMA),
+                        prefix=prefix, seed=seed)  # fmt: skip
+
+    def scenario(self, seed: int = 0) -> Scenario:
+        return Scenario(
+            f"whatif:{self.instance}", f"fitted to {self.instance}'s window", ("fitted",), (self.workload(seed),),
+            duration=self.duration, max_running=self.max_running, l2_ratio=self.l2_ratio, deployment=self.deployment,
+        )  # fmt: skip
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "instance": self.instance,
+            "engine": self.engine,
+            "duration_s": self.duration,
+            "interval_s": self.interval,
+            "arrival_rate": round(self.rate, 3),
+            "peak_rate": round(max(self.arrivals.rates, default=0.0), 3),
+            "prompt_tokens": round(self.prompt_tokens, 1),
+            "output_tokens": round(self.output_tokens, 1),
+            "hit_ratio": self.hit_ratio,
+            "pool_tokens": self.pool_tokens,
+            "max_running": self.max_running,
+            "l2_ratio": self.l2_ratio,
+            "knobs": [{"name": k.name, "value": k.value, "basis": k.basis, "note": k.note} for k in self.knobs],
+        }
+
+
+def _lengths(mean: float, sigma: float) -> LengthDist:
+    if mean < 4:
+        return Fixed(max(1, round(mean)))
+    median = mean / math.exp(sigma**2 / 2)  # LogNormal's mean is median * exp(sigma^2 / 2)
+    return LogNormal(median, sigma, lo=1, hi=max(2, round(8 * median)))
+
+
+def fit(window: Window) -> Fit:
+    """The scenario the window's own series describe (module docstring); ``FitError`` when a
+    series it needs is absent or says nothing (no finished request, one sample)."""
+    if len(window) < 2:
+        raise FitError(f"{window.instance}: needs a window of at least 2 samples (got {len(window)}); "
+                       "give a recording, --prometheus, or sample URLs with --duration")  # fmt: skip
+    last = window.last
+    missing = [f for f in ("capacity_tokens", "requests_total", "prompt_tokens_total", "generation_tokens_total")
+               if not window.has(f)]  # fmt: skip
+    if missing:
+        raise FitError(f"{window.instance}: {', '.join(missing)} not reported; a workload cannot be fitted without them")
+    requests = window.increase("requests_total") or 0.0
+    if requests <= 0:
+        raise FitError(f"{window.instance}: no request finished in the window (requests_total did not grow): lengths cannot be fitted")
+    prompt = (window.increase("prompt_tokens_total") or 0.0) / requests
+    output = (window.increase("generation_tokens_total") or 0.0) / requests
+    if output <= 0:
+        raise FitError(f"{window.instance}: generation_tokens_total did not grow while {requests:g} requests finished")
+    ts = window.column("ts")
+    duration = float(ts[-1] - ts[0])
+    interval = float(np.median(np.diff(ts)))
+    knobs: list[Knob] = []
+    pool = int(np.nanmax(window.column("capacity_tokens")))
+    knobs.append(Knob("pool", f"{pool:,} tokens", "read", _source(window, "capacity_tokens")))
+    block = last.block_size
+    if block is not None and int(block) != REFERENCE_BLOCK:
+        knobs.append(Knob("block size", f"{REFERENCE_BLOCK}", "assumed", f"the engine reports {block:g}; the reference pool uses {REFERENCE_BLOCK}"))
+    arrivals = _arrivals(window, interval)
+    hit, hit_basis = _hit_ratio(window)
+    knobs.append(Knob("prefix sharing", "none" if not hit or hit < MIN_SHARE else f"{hit:.2f} of each prompt", "read" if hit is not None else "assumed", hit_basis))
+    if hit is not None and hit >= MIN_SHARE:
+        knobs.append(Knob("prefix groups", str(PREFIX_GROUPS), "assumed", "the series give the hit ratio, not how many prompts share it"))
+    knobs.append(Knob("lengths", f"prompt {prompt:,.0f}, output {output:,.0f} tokens per request", "read",
+                      "token counters per finished request (means)"))  # fmt: skip
+    knobs.append(Knob("length spread", f"log-normal sigma {PROMPT_SIGMA} / {OUTPUT_SIGMA}", "assumed", "no length histograms are read"))
+    knobs.append(Knob("max_new_tokens", "the output length", "assumed", "what clients ask for is not in the series"))
+    cap, cap_note = _admission_cap(window)
+    knobs.append(Knob("admission cap", str(cap) if cap else "engine default", "inferred" if cap else "assumed", cap_note))
+    l2 = None
+    if window.has("l2_capacity_tokens"):
+        l2 = float(np.nanmax(window.column("l2_capacity_tokens"))) / pool
+        knobs.append(Knob("L2 tier", f"{l2:.2f} x L1", "read", _source(window, "l2_capacity_tokens")))
+    deployment, dep_knobs = _deployment(last.model, pool)
+    knobs.extend(dep_knobs)
+    return Fit(window.instance, window.engine, last.model, float(ts[0]), duration, interval, arrivals, prompt, output, hit,
+               pool, cap, l2, deployment, tuple(knobs))  # fmt: skip
+
+
+def _source(window: Window, name: str) -> str:
+    _, prov = window.provenance(name)
+    return prov.describe() if prov is not None else ""
+
+
+def _arrivals(window: Window, interval: float) -> StepRate:
+    ts = window.column("ts")
+    finished = _steps(window.column("requests_total"))
+    inflight = np.nan_to_num(window.column("running")) + np.nan_to_num(window.column("waiting"))
+    per_interval = np.maximum(0.0, finished + np.diff(inflight))
+    per_interval[0] += inflight[0]  # in flight at the start: arrive in the first bucket
+    width = max(interval, float(ts[-1] - ts[0]) / MAX_BUCKETS)
+    edges, rates = [0.0], []
+    count = 0.0
+    for i, n in enumerate(per_interval):
+        count += n
+        end = float(ts[i + 1] - ts[0])
+        if end - edges[-1] >= width - 1e-9 or i == len(per_interval) - 1:
+            rates.append(count / (end - edges[-1]) if end > edges[-1] else 0.0)
+            edges.append(end)
+            count = 0.0
+    return StepRate(tuple(edges), tuple(rates))
+
+
+def _steps(values: np.ndarray) -> np.ndarray:
+    """Each interval's reset-safe increase of a counter column (0 across absent samples)."""
+    out = np.zeros(max(0, len(values) - 1))
+    prev: float | None = None
+    for i, v in enumerate(values):
+        if math.isnan(v):
+            continue
+        step = counter_step(prev, float(v))
+        if prev is not None and step is not None:
+            out[i - 1] = step
+        if step is not None:
+            prev = float(v)
+    return out
+
+
+def _hit_ratio(window: Window) -> tuple[float | None, str]:
+    hits = window.increase("prefix_hit_tokens_total")
+    queries = window.increase("prefix_query_tokens_total")
+    if hits is not None and queries:
+        return min(1.0, hits / queries), "prefix hit tokens over queried tokens"
+    prompt = window.increase("prompt_tokens_total")
+    if hits is not None and prompt:
+        return min(1.0, hits / prompt), "prefix hit tokens over prompt tokens"
+    if window.has("prefix_hit_ratio_gauge"):
+        return float(np.nanmean(window.column("prefix_hit_ratio_gauge"))), "the engine's hit-rate gauge (mean)"
+    return None, "no prefix-cache series: replayed without sharing"
+
+
+def _admission_cap(window: Window) -> tuple[int | None, str]:
+    running, waiting, usage = (window.column(f) for f in ("running", "waiting", "usage_ratio"))
+    room = (waiting > 0) & (usage < CAP_USAGE)
+    if room.sum() < 3:
+        return None, "the reference engine's default (no sign of a cap in the series)"
+    peak = float(np.nanmax(running[room]))
+    if peak > 0 and (running[room] == peak).mean() >= CAP_SHARE:
+        return int(peak), f"running pinned at {peak:g} while requests waited and the pool had room"
+    return None, "the reference engine's default (no sign of a cap in the series)"
+
+
+def _deployment(model_label: str | None, pool: int) -> tuple[Sized, list[Knob]]:
+    """The preset the model label names (else the assumed one) and the (GPU, TP, memory
+    fraction) that give the reported pool, the fraction nearest the engines' usual 0.9."""
+    label = (model_label or "").lower()
+    preset = next((k for k in sorted(capacity.MODELS, key=len, reverse=True) if k in label), None)
+    knobs = [Knob("model", preset or ASSUMED_MODEL, "read" if preset else "assumed",
+                  f"from model_name {model_label!r}" if preset else f"no preset matches model_name {model_label!r}")]  # fmt: skip
+    spec = capacity.model(preset or ASSUMED_MODEL)
+    best: tuple[float, str, int, float] | None = None
+    for gpu_name, gpu in capacity.GPUS.items():
+        for tp in (1, 2, 4, 8):
+            kv = spec.kv_bytes_per_token_per_gpu(2, tp)
+            fraction = (pool * kv + spec.weight_bytes(2) / tp) / gpu.memory_bytes
+            if 0.3 <= fraction <= 0.98 and (best is None or abs(fraction - TYPICAL_FRACTION) < best[0] - 1e-6):
+                best = (abs(fraction - TYPICAL_FRACTION), gpu_name, tp, fraction)
+    if best is None:
+        gpu_name, tp, fraction, note = "h100", 8, TYPICAL_FRACTION, "no GPU preset and TP give this pool"
+        basis = "assumed"
+    else:
+        _, gpu_name, tp, fraction = best
+        note, basis = "the GPU, TP and memory fraction that give the reported pool (bf16 KV)", "inferred"
+    fraction = round(fraction, 3)
+    knobs += [
+        Knob("GPU", gpu_name, "assumed", "not in the series; sets the replay's step times"),
+        Knob("TP", str(tp), basis, note),
+        Knob("memory fraction", f"{fraction:g}", basis, note),
+        Knob("KV dtype", "bf16", "assumed", "not in the series"),
+    ]
+    base = Sized(model=preset or ASSUMED_MODEL, gpu=gpu_name, tp=tp, mem_fraction=fraction, served_model=model_label or "")
+    return Sized(model=base.model, gpu=gpu_name, tp=tp, mem_fraction=fraction, served_model=base.served_model,
+                 reported_pool=pool, reported_as=base), knobs  # fmt: skip

@@ -1,0 +1,151 @@
+"""Run scenarios through the reference engine and measure them as the engine's metrics show.
+
+A replay is measured exactly as the incident was: the reference engine's exposition is scraped
+at the incident's interval, read back through the same adapters into windows, and ``measure``
+takes the same figures from both (usage, waiting, evictions per minute, P99 and mean TTFT from
+the TTFT histogram, generated tokens per second), while the verdict comes from the real
+checklist. So observed and replayed numbers differ by the fit and the engine model, never by
+how they were read. Replays are independent and go to worker processes, one per core.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvdiag.checks import diagnose
+from kvdiag.checks.catalog import EXIT_ORDER
+from kvdiag.config import Config
+from kvdiag.engines import normalize_scrape
+from kvdiag.model import PoolSample
+from kvdiag.refpool.scenarios import Scenario, ScenarioRun
+from kvdiag.refpool.sim import tune_gc
+from kvdiag.whatif.levers import Lever
+from kvdiag.window import Window, bucket_quantile
+
+CALIBRATION = "calibration"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the metrics say about a span: one instance, or DP replicas taken together (usage
+    averaged, queues, evictions and throughput summed, TTFT over every replica's requests,
+    the worst replica's verdict)."""
+
+    usage: float | None  # mean reported usage ratio
+    waiting: float | None  # mean waiting requests
+    evictions_per_min: float | None
+    p99_ttft: float | None  # seconds, histogram_quantile over the span
+    mean_ttft: float | None
+    throughput: float | None  # generated tokens per second
+    verdict: str
+    replicas: int = 1
+
+    def as_json(self) -> dict[str, object]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def measure(windows: Sequence[Window], config: Config) -> Outcome:
+    """``Outcome`` of whole windows (the incident, or a replay of it)."""
+    def mean(name: str) -> list[float]:
+        return [float(np.nanmean(w.column(name))) for w in windows if w.has(name)]
+
+    minutes = max(w.duration for w in windows) / 60.0
+    usage, waiting = mean("usage_ratio"), mean("waiting")
+    evictions = [w.increase("evictions_total") for w in windows]
+    generated = [w.increase("generation_tokens_total") for w in windows]
+    hists = [h for h in (w.histogram_increase("ttft") for w in windows) if h is not None and h.count > 0]
+    p99 = mean_ttft = None
+    if hists and all(h.bounds == hists[0].bounds for h in hists):
+        counts = np.sum([h.counts for h in hists], axis=0)
+        q = bucket_quantile(0.99, hists[0].bounds, counts)
+        p99 = None if q is None else q.value
+        mean_ttft = sum(h.sum for h in hists) / sum(h.count for h in hists)
+    verdicts = [diagnose(w, config).verdict for w in windows]
+    worst = max(verdicts, key=lambda v: EXIT_ORDER.index(v.exit_code))
+    return Outcome(
+        usage=float(np.mean(usage)) if usage else None,
+        waiting=float(np.sum(waiting)) if waiting else None,
+        evictions_per_min=sum(evictions) / minutes if minutes > 0 and None not in evictions else None,  # type: ignore[arg-type]
+        p99_ttft=p99,
+        mean_ttft=mean_ttft,
+        throughput=sum(generated) / (minutes * 60) if minutes > 0 and None not in generated else None,  # type: ignore[arg-type]
+        verdict=worst.name,
+        replicas=len(windows),
+    )
+
+
+def replay(scenario: Scenario, engine: str, interval: float, config: Config) -> Outcome:
+    """Run ``scenario`` on the reference ``engine``, scraped every ``interval`` simulated
+    seconds, and measure what its metrics show."""
+    run = ScenarioRun(scenario, engine)
+    by_instance: dict[str, list[PoolSample]] = {}
+    for _, scrape in run.scrapes(interval):
+        for s in normalize_scrape(scrape, engine):
+            by_instance.setdefault(s.instance, []).append(s)
+    return measure([Window(i, by_instance[i]) for i in sorted(by_instance)], config)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One replay to run: an instance's fitted scenario (``lever`` None: the calibration) or the
+    catalogue's, with a remedy applied or not."""
+
+    key: str  # whose replay (an instance), for progress lines and grouping
+    lever: Lever | None
+    scenario: Scenario
+    engine: str
+    interval: float
+    config: Config
+
+
+@dataclass(frozen=True)
+class Run:
+    """A job's outcome, or why it failed."""
+
+    key: str
+    lever: Lever | None
+    outcome: Outcome | None
+    error: str
+    wall_s: float
+
+    @property
+    def label(self) -> str:
+        return CALIBRATION if self.lever is None else self.lever.label
+
+
+def _run(job: Job) -> Run:
+    t0 = time.perf_counter()
+    try:
+        outcome = replay(job.scenario, job.engine, job.interval, job.config)
+        return Run(job.key, job.lever, outcome, "", time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 (one remedy's failure is its row, never the others')
+        return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
+
+
+def _worker(job: Job) -> Run:
+    tune_gc()
+    return _run(job)
+
+
+def replay_all(jobs: Sequence[Job], workers: int = 1, progress: Callable[[Run], None] | None = None) -> list[Run]:
+    """Every job, ``workers`` at a time in worker processes; results in the order given,
+    ``progress(run)`` as each finishes."""
+    done: dict[int, Run] = {}
+    if workers <= 1 or len(jobs) == 1:
+        for k, job in enumerate(jobs):
+            done[k] = _run(job)
+            if progress is not None:
+                progress(done[k])
+    else:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+            futures = {pool.submit(_worker, job): k for k, job in enumerate(jobs)}
+            for fut in as_completed(futures):
+                done[futures[fut]] = fut.result()
+                if progress is not None:
+                    progress(done[futures[fut]])
+    return [done[k] for k in range(len(jobs))]
