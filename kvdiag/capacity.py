@@ -52,24 +52,48 @@ class ModelSpec:
     moe_intermediate: int | None = None  # expert width; None = intermediate
     dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
     tie_embeddings: bool = False
+    # Hybrid models: of ``layers``, how many attend over a sliding window (they hold at most
+    # ``sliding_window`` tokens per request) and how many are Mamba / linear-attention layers
+    # (no KV per token: one fixed state per request, ``mamba_state_bytes`` per layer).
+    sliding_window: int | None = None
+    swa_layers: int = 0
+    mamba_layers: int = 0
+    mamba_state_bytes: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.swa_layers or self.mamba_layers)
+
+    @property
+    def full_layers(self) -> int:
+        """Layers that keep the KV of every token of a request."""
+        return self.layers - self.swa_layers - self.mamba_layers
 
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank is not None
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> int:
-        """KV bytes one token occupies across the whole model (all layers, all ranks)."""
-        if self.mla:
-            return int((self.kv_lora_rank + (self.qk_rope_head_dim or 0)) * self.layers * dtype_bytes)  # type: ignore[operator]
-        return int(2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes)
+        """KV bytes one token occupies across the whole model (all attention layers, all ranks;
+        a token inside every sliding window, so a hybrid model's short-request figure)."""
+        return self.kv_bytes_per_token_per_layer(dtype_bytes) * self.attention_layers
 
     def kv_bytes_per_token_per_gpu(self, dtype_bytes: float, tp: int = 1) -> int:
         """KV bytes one token occupies on each GPU of a TP group: KV heads are split across
         ranks (replicated when TP exceeds them); an MLA latent is stored whole on every rank."""
+        return self.kv_bytes_per_token_per_layer(dtype_bytes, tp) * self.attention_layers
+
+    @property
+    def attention_layers(self) -> int:
+        return self.layers - self.mamba_layers
+
+    def kv_bytes_per_token_per_layer(self, dtype_bytes: float, tp: int | None = None) -> int:
+        """One token's KV in one attention layer: on each GPU of a TP group, or (``tp`` None)
+        across all ranks."""
         if self.mla:
-            return self.kv_bytes_per_token(dtype_bytes)
-        heads_per_gpu = math.ceil(self.kv_heads / tp)
-        return int(2 * self.layers * heads_per_gpu * self.head_dim * dtype_bytes)
+            return int((self.kv_lora_rank + (self.qk_rope_head_dim or 0)) * dtype_bytes)  # type: ignore[operator]
+        heads = self.kv_heads if tp is None else math.ceil(self.kv_heads / tp)
+        return int(2 * heads * self.head_dim * dtype_bytes)
 
     def estimated_params(self) -> float:
         """Parameters from the shapes (embeddings, attention, MLP/experts; norms ignored)."""
@@ -119,6 +143,12 @@ MODELS: dict[str, ModelSpec] = {
             "Mixtral-8x7B", layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=32000,
             params=46.7e9, active_params=12.9e9, experts=8, experts_per_token=2,
         ),
+        # Gemma 3: 5 sliding-window (1024) layers to 1 global; the language model alone (the
+        # card's 27.4e9 adds the 0.4e9 SigLIP vision tower).
+        ModelSpec(
+            "Gemma-3-27B", layers=62, hidden=5376, intermediate=21504, heads=32, kv_heads=16, head_dim=128, vocab=262208,
+            params=27.0e9, tie_embeddings=True, sliding_window=1024, swa_layers=52,
+        ),
         ModelSpec(
             "DeepSeek-V3", layers=61, hidden=7168, intermediate=18432, heads=128, kv_heads=128, head_dim=192, vocab=129280,
             params=671e9, active_params=37e9, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
@@ -154,9 +184,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
 
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
+    layers = need("num_hidden_layers")
+    swa_layers, mamba_layers = _hybrid_layers(cfg, layers)
     return ModelSpec(
         name=str(cfg.get("_name_or_path") or p.parent.name or "model"),
-        layers=need("num_hidden_layers"),
+        layers=layers,
         hidden=hidden,
         intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
         heads=heads,
@@ -174,7 +206,42 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         moe_intermediate=cfg.get("moe_intermediate_size"),
         dense_layers=int(cfg.get("first_k_dense_replace") or 0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_window=int(cfg["sliding_window"]) if swa_layers and cfg.get("sliding_window") else None,
+        swa_layers=swa_layers if cfg.get("sliding_window") else 0,
+        mamba_layers=mamba_layers,
+        mamba_state_bytes=_mamba_state_bytes(cfg) if mamba_layers else 0,
     )
+
+
+def _hybrid_layers(cfg: dict, layers: int) -> tuple[int, int]:
+    """(sliding-window layers, Mamba / linear-attention layers) from the config's layer map:
+    ``layer_types`` (Gemma 3, gpt-oss, Qwen3-Next), ``sliding_window_pattern`` (every Nth layer
+    global, Gemma 3's older configs) or ``hybrid_override_pattern`` (Nemotron-H: M = Mamba,
+    * = attention, - = MLP only)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return sum(t == "sliding_attention" for t in types), sum(t in ("linear_attention", "mamba") for t in types)
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        return 0, pattern.count("M")
+    every = cfg.get("sliding_window_pattern")
+    if isinstance(every, int) and every > 1 and cfg.get("sliding_window"):
+        return layers - layers // every, 0
+    return 0, 0
+
+
+def _mamba_state_bytes(cfg: dict) -> int:
+    """One request's recurrent state in one Mamba layer: the SSM state (heads x head_dim x
+    d_state, fp32 as both engines keep it) plus the conv state ((kernel - 1) x channels, bf16).
+    0 where the config does not give the shapes."""
+    heads = cfg.get("mamba_num_heads") or cfg.get("linear_num_value_heads")
+    head_dim = cfg.get("mamba_head_dim") or cfg.get("linear_value_head_dim")
+    d_state = cfg.get("ssm_state_size") or cfg.get("linear_key_head_dim")
+    if not (heads and head_dim and d_state):
+        return 0
+    kernel = int(cfg.get("conv_kernel") or cfg.get("linear_conv_kernel_dim") or 4)
+    channels = int(heads) * int(head_dim) + 2 * int(cfg.get("n_groups") or 1) * int(d_state)
+    return int(heads) * int(head_dim) * int(d_state) * 4 + (kernel - 1) * channels * 2
 
 
 def model(name_or_path: str) -> ModelSpec:
@@ -196,6 +263,9 @@ class Plan:
     tp: int
     pool_bytes_per_gpu: int
     weight_bytes_per_gpu: int | None = None
+    # SGLang's --swa-full-tokens-ratio: a hybrid SWA model's pool is two fixed pools, the SWA
+    # one this share of the full one in tokens. None: sized per request (no fixed split).
+    swa_full_tokens_ratio: float | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -209,9 +279,34 @@ class Plan:
     def pool_tokens(self) -> int:
         return self.pool_bytes_per_gpu // self.kv_bytes_per_token_per_gpu
 
+    def request_bytes_per_gpu(self, context: int) -> int:
+        """The pool one request of ``context`` tokens holds on each GPU: every token in the
+        full-attention layers, at most the window in the sliding-window layers, one state per
+        Mamba layer (heads split over TP like KV heads)."""
+        m = self.model
+        per_layer = m.kv_bytes_per_token_per_layer(DTYPE_BYTES[self.kv_dtype], self.tp)
+        window = min(context, m.sliding_window) if m.sliding_window else context
+        states = m.mamba_layers * math.ceil(m.mamba_state_bytes / self.tp)
+        return per_layer * (context * m.full_layers + window * m.swa_layers) + states
+
+    def swa_pools(self) -> tuple[int, int] | None:
+        """(full-pool tokens, SWA-pool tokens) of a hybrid SWA model under
+        ``swa_full_tokens_ratio`` (each pool's tokens hold one token's KV in its layers)."""
+        m, ratio = self.model, self.swa_full_tokens_ratio
+        if ratio is None or not m.swa_layers:
+            return None
+        per_layer = m.kv_bytes_per_token_per_layer(DTYPE_BYTES[self.kv_dtype], self.tp)
+        full = int(self.pool_bytes_per_gpu // (per_layer * (m.full_layers + ratio * m.swa_layers)))
+        return full, int(full * ratio)
+
     def concurrency(self, context: int) -> int:
-        """Requests of ``context`` tokens (input + output) that fit in the pool at once."""
-        return self.pool_tokens // context
+        """Requests of ``context`` tokens (input + output) that fit in the pool at once; with
+        fixed SWA pools, the tighter of the two."""
+        pools = self.swa_pools()
+        if pools is not None:
+            full, swa = pools
+            return min(full // context, swa // min(context, self.model.sliding_window or context))
+        return self.pool_bytes_per_gpu // self.request_bytes_per_gpu(context)
 
 
 def pool_from_memory(spec: ModelSpec, tp: int, gpu_bytes: float, mem_fraction: float, weight_bytes: float) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvdiag import config as cfg
-from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, get
+from kvdiag.refpool.scenarios import CATALOGUE, ENGINES, SCENARIOS, get
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.validate import GRACE_S, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, validate
 from kvdiag.report.json import dumps
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Exit code: 0 when every final verdict and every scored instant matches its ground truth "
         "(no misleading, no false-alarm instant), 1 otherwise, 3 on an error.",
     )
-    p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="only this scenario (repeatable)")
+    p.add_argument("--scenario", action="append", choices=sorted(CATALOGUE), help="only this scenario (repeatable)")
     p.add_argument("--engine", action="append", choices=ENGINES, help="only this engine (repeatable)")
     p.add_argument("--interval", type=float, default=5.0, help="simulated seconds between scrapes (default 5)")
     p.add_argument("--mem-fraction", type=float, help="re-size every scenario's pool (deployment memory fraction, default 0.9)")

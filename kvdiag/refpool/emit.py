@@ -92,6 +92,29 @@ class EngineState:
     prefill_cache_tokens_total: int = 0
     new_token_ratio: float = 0.7
     block_size: int = 16
+    # Tokens thrown away by retractions (SGLang >= 0.5.7 counts them apart).
+    retracted_input_tokens_total: int = 0
+    retracted_output_tokens_total: int = 0
+    # Prefill/decode disaggregation (refpool/deployments.py). SGLang's role is its engine_type
+    # label; its PD queue gauges are exported as 0 by a unified instance. vLLM's ``waiting``
+    # includes ``deferred`` (num_requests_waiting = capacity + deferred).
+    role: str = "unified"  # "unified" | "prefill" | "decode"
+    bootstrap_queue: int = 0  # prefill: waiting for the decode instance's preallocation
+    inflight_queue: int = 0  # prefill: KV computed, being sent
+    prealloc_queue: int = 0  # decode: waiting for room in the decode pool
+    transfer_queue: int = 0  # decode: preallocated, KV not yet arrived
+    prealloc_tokens: int = 0  # decode: slots preallocated for the transfer queue
+    deferred: int = 0  # vLLM: waiting on their KV transfer (reason="deferred")
+    kv_consumer: bool = False  # vLLM: the KV connector receives KV (num_requests_kv_fetch_by_stage)
+    kv_fetch_waiting: int = 0  # stage="waiting_to_start"
+    kv_fetch_in_progress: int = 0  # stage="in_progress"
+    # Hybrid sliding-window model (SGLang): the SWA pool beside the full one; None: not hybrid.
+    swa_capacity_tokens: int | None = None
+    swa_used_tokens: int = 0
+    swa_evictable_tokens: int = 0
+    # KV connector traffic (vLLM external_prefix_cache_* and prompt_tokens_by_source).
+    external_query_tokens_total: int = 0
+    external_hit_tokens_total: int = 0
     ttft: Latency = field(default_factory=Latency)
     queue_time: Latency = field(default_factory=Latency)
     created: float = 1_795_952_340.0  # process start, for _created series
@@ -103,6 +126,14 @@ class EngineState:
     @property
     def usage(self) -> float:
         return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+    @property
+    def swa_usage(self) -> float:
+        return self.swa_used_tokens / self.swa_capacity_tokens if self.swa_capacity_tokens else 0.0
+
+    @property
+    def swa_available_tokens(self) -> int:
+        return (self.swa_capacity_tokens or 0) - self.swa_used_tokens - self.swa_evictable_tokens
 
 
 class _Writer:
@@ -185,18 +216,23 @@ def render(
     tp: int = 1,
     model: str = "meta-llama/Llama-3.1-8B-Instruct",
     multiprocess: bool | None = None,
+    lmcache: list[LMCacheState] | None = None,
 ) -> str:
     """One server's exposition: ``states`` are its data-parallel instances.
 
     ``tp`` > 1 repeats SGLang's scheduler series per TP rank (as with
     ``--enable-metrics-for-all-schedulers``). ``escape`` writes OpenMetrics sample names
     underscore-escaped, as prometheus_client >= 0.23 does for a Prometheus 2.x scraper.
+    ``lmcache`` adds LMCache's families to a multiprocess vLLM body, as when the user points
+    vLLM's and LMCache's PROMETHEUS_MULTIPROC_DIR at one directory (facts §1.7).
     """
     if engine == "sglang":
         return _sglang(states, dialect or SGLANG_DIALECTS[0], openmetrics, escape, tp, model)
     if engine == "vllm":
-        mp = len(states) > 1 if multiprocess is None else multiprocess
-        return _vllm(states, dialect or VLLM_DIALECTS[0], openmetrics, escape, model, mp)
+        mp = len(states) > 1 or lmcache is not None if multiprocess is None else multiprocess
+        if lmcache is not None and not mp:
+            raise ValueError("LMCache's series reach vLLM's /metrics only through a shared multiprocess directory")
+        return _vllm(states, dialect or VLLM_DIALECTS[0], openmetrics, escape, model, mp, lmcache)
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -213,7 +249,9 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
     streaming = v >= (0, 5, 20)
 
     def sched(i: int, rank: int) -> dict[str, str]:
-        labels = {"engine_type": "unified", "model_name": model}
+        # engine_type says the PD role since 0.5.8 (unified before; facts §2.2).
+        role = states[i].role if v >= (0, 5, 8) else "unified"
+        labels = {"engine_type": role, "model_name": model}
         if v >= (0, 4, 10):
             labels.update(tp_rank=str(rank), pp_rank="0")
         if v >= (0, 5, 8):
@@ -234,14 +272,31 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
         w.gauge(P + "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", per_rank(lambda s: s.capacity_tokens))
     w.gauge(P + "num_running_reqs", "The number of running requests.", per_rank(lambda s: s.running))
     w.gauge(P + "num_queue_reqs", "The number of requests in the waiting queue.", per_rank(lambda s: s.waiting))
-    w.gauge(P + "token_usage", "The token usage.", per_rank(lambda s: round(s.usage, 2)))
+    # token_usage = round(max of the pools' usages, 2); num_used_tokens = max(full, swa) used
+    # (pool_stats_observer.update_scheduler_stats@0.5.23): the SWA pool can be the full one.
+    w.gauge(P + "token_usage", "The token usage.", per_rank(lambda s: round(max(s.usage, s.swa_usage), 2)))
     if v >= (0, 5, 10):
         w.gauge(P + "full_token_usage", "The token usage for full attention layers.", per_rank(lambda s: s.usage))
-    w.gauge(P + "num_used_tokens", "The number of used tokens.", per_rank(lambda s: s.used_tokens))
+    if v >= (0, 5, 2):
+        w.gauge(P + "swa_token_usage", "The token usage for SWA layers.", per_rank(lambda s: s.swa_usage))
+    if v >= (0, 5, 5):
+        w.gauge(P + "mamba_usage", "The token usage for Mamba layers.", per_rank(lambda s: 0.0))
+    w.gauge(P + "num_used_tokens", "The number of used tokens.", per_rank(lambda s: max(s.used_tokens, s.swa_used_tokens)))
     if v >= (0, 5, 11):
         w.gauge(P + "kv_available_tokens", "Number of free token slots in the KV cache pool.", per_rank(lambda s: s.available_tokens))
         w.gauge(P + "kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.", per_rank(lambda s: s.evictable_tokens))
         w.gauge(P + "kv_used_tokens", "Number of actively used token slots in the KV cache pool.", per_rank(lambda s: s.used_tokens))
+        # The SchedulerStats defaults: 0 unless the model is hybrid (facts §2.3).
+        w.gauge(P + "swa_available_tokens", "Number of free token slots in the SWA KV cache pool.", per_rank(lambda s: max(s.swa_available_tokens, 0)))
+        w.gauge(P + "swa_evictable_tokens", "Number of evictable token slots in the SWA KV cache pool.", per_rank(lambda s: s.swa_evictable_tokens))
+        w.gauge(P + "swa_used_tokens", "Number of actively used token slots in the SWA KV cache pool.", per_rank(lambda s: s.swa_used_tokens))
+        w.gauge(
+            P + "max_total_num_tokens_swa",
+            "Maximum total number of tokens in the SWA KV cache pool.",
+            [(sched(i, r), s.swa_capacity_tokens) for i, s in enumerate(states) for r in range(tp) if s.swa_capacity_tokens is not None],
+        )
+    if v >= (0, 5, 3):
+        _sglang_pd_queues(w, states, v, tp, sched)
     w.gauge(P + "new_token_ratio", "The new token ratio.", per_rank(lambda s: s.new_token_ratio))
     if (0, 4, 10) <= v < (0, 5, 3):
         w.gauge(P + "total_retracted_reqs", "The total number of retracted requests.", per_rank(lambda s: s.evictions_total))
@@ -258,6 +313,11 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
             "Total number of retracted requests.",
             [(sched(i, r), s.evictions_total, s.created) for i, s in enumerate(states) for r in range(tp) if s.evictions_total > 0],
         )
+        for name, help_text, fn in (
+            ("num_retracted_input_tokens", "Total number of retracted input tokens.", lambda s: s.retracted_input_tokens_total),
+            ("num_retracted_output_tokens", "Total number of retracted output tokens.", lambda s: s.retracted_output_tokens_total),
+        ):
+            w.counter(P + name, help_text, [(sched(i, r), fn(s), s.created) for i, s in enumerate(states) for r in range(tp) if s.evictions_total > 0])
         w.counter(
             P + "realtime_tokens",
             "Total number of tokens processed (updated on each log interval). mode: prefill_compute, prefill_cache, decode.",
@@ -295,12 +355,37 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
     return w.text()
 
 
+def _sglang_pd_queues(w: _Writer, states: list[EngineState], v: tuple[int, ...], tp: int, sched) -> None:
+    """The PD disaggregation gauges, exported as 0 by a unified instance (facts §2.3). The
+    prefill bootstrap queue was ``num_prefill_prealloc_queue_reqs`` up to 0.5.11; the rest of
+    the family is written only for 0.5.23, the release the facts list it for."""
+    P = "sglang:"
+
+    def g(name: str, help_text: str, fn) -> None:
+        w.gauge(P + name, help_text, [(sched(i, r), fn(s)) for i, s in enumerate(states) for r in range(tp)])
+
+    bootstrap = "num_prefill_bootstrap_queue_reqs" if v >= (0, 5, 12) else "num_prefill_prealloc_queue_reqs"
+    g(bootstrap, "The number of requests in the prefill bootstrap queue.", lambda s: s.bootstrap_queue)
+    g("num_prefill_inflight_queue_reqs", "The number of requests in the prefill inflight queue.", lambda s: s.inflight_queue)
+    g("num_decode_prealloc_queue_reqs", "The number of requests in the decode prealloc queue.", lambda s: s.prealloc_queue)
+    g("num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue.", lambda s: s.transfer_queue)
+    if v >= (0, 5, 23):
+        g("num_decode_host_receive_queue_reqs", "The number of requests in the decode host receive queue.", lambda s: 0)
+        g("num_decode_deferred_kv_release_reqs", "The number of requests with a deferred KV release.", lambda s: 0)
+        # Tokens preallocated for requests whose KV has not arrived, over each pool's capacity
+        # (metrics_reporter._update_decode_queue_stats@0.5.23).
+        g("prealloc_full_token_usage", "The full-pool token usage of preallocated requests.",
+          lambda s: s.prealloc_tokens / s.capacity_tokens if s.capacity_tokens else 0.0)
+        g("prealloc_swa_token_usage", "The SWA-pool token usage of preallocated requests.",
+          lambda s: s.prealloc_tokens / s.swa_capacity_tokens if s.swa_capacity_tokens else 0.0)
+
+
 def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...], model: str, streaming: bool) -> None:
     """Tokenizer-process series: one per server (no dp_rank), summed over its DP engines."""
     P = "sglang:"
     base = {"model_name": model}
     if v >= (0, 4, 10):
-        base["engine_type"] = "unified"
+        base["engine_type"] = states[0].role if v >= (0, 5, 8) else "unified"
     total = _sum_states(states)
     # Streaming splits requests in two partitions; put them all under "true" and an empty "false".
     parts = [({**base, "is_streaming": "true"}, 1.0), ({**base, "is_streaming": "false"}, 0.0)] if streaming else [(base, 1.0)]
@@ -344,7 +429,10 @@ def _sum_states(states: list[EngineState]) -> EngineState:
     return out
 
 
-def _vllm(states: list[EngineState], dialect: str, om: bool, escape: bool, model: str, multiprocess: bool) -> str:
+def _vllm(
+    states: list[EngineState], dialect: str, om: bool, escape: bool, model: str, multiprocess: bool,
+    lmcache: list[LMCacheState] | None = None,
+) -> str:
     if dialect not in VLLM_DIALECTS:
         raise ValueError(f"unknown vLLM dialect {dialect!r}; known: {VLLM_DIALECTS}")
     v = _version(dialect)
@@ -372,6 +460,19 @@ def _vllm(states: list[EngineState], dialect: str, om: bool, escape: bool, model
     pid = {"pid": "4242"} if multiprocess and (0, 9, 2) <= v < (0, 12) else None
     w.gauge(P + "num_requests_running", "Number of requests in model execution batches.", gauge(lambda s: s.running))
     w.gauge(P + "num_requests_waiting", "Number of requests waiting to be processed.", gauge(lambda s: s.waiting))
+    if v >= (0, 20):
+        w.gauge(
+            P + "num_requests_waiting_by_reason",
+            "Number of requests waiting, by reason: capacity (waiting for scheduling capacity) or deferred (LoRA budget, KV transfer, blocked).",
+            [({**labels(i), "reason": r}, n) for i, s in enumerate(states) for r, n in (("capacity", s.waiting - s.deferred), ("deferred", s.deferred))],
+        )
+    if v >= (0, 33) and any(s.kv_consumer for s in states):
+        w.gauge(
+            P + "num_requests_kv_fetch_by_stage",
+            "Number of requests fetching KV from a remote instance, by stage.",
+            [({**labels(i), "stage": st}, n) for i, s in enumerate(states) if s.kv_consumer
+             for st, n in (("waiting_to_start", s.kv_fetch_waiting), ("in_progress", s.kv_fetch_in_progress), ("completed_waiting", 0))],
+        )
     if v >= (0, 9, 2):
         w.gauge(P + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", gauge(usage, pid))
     if v < (0, 11):
@@ -393,8 +494,8 @@ def _vllm(states: list[EngineState], dialect: str, om: bool, escape: bool, model
             w.counter(P + "gpu_prefix_cache_queries", "GPU prefix cache queries.", counter(lambda s: s.prompt_tokens_total // div(s)))
             w.counter(P + "gpu_prefix_cache_hits", "GPU prefix cache hits.", counter(lambda s: s.prefix_hit_tokens_total // div(s)))
     if v >= (0, 11, 1):
-        w.counter(P + "external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", counter(lambda s: 0))
-        w.counter(P + "external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", counter(lambda s: 0))
+        w.counter(P + "external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", counter(lambda s: s.external_query_tokens_total))
+        w.counter(P + "external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", counter(lambda s: s.external_hit_tokens_total))
     w.counter(P + "num_preemptions", "Cumulative number of preemption from the engine.", counter(lambda s: s.evictions_total))
     w.counter(P + "prompt_tokens", "Number of prefill tokens processed.", counter(lambda s: s.prompt_tokens_total))
     w.counter(P + "generation_tokens", "Number of generation tokens processed.", counter(lambda s: s.generation_tokens_total))
@@ -424,4 +525,61 @@ def _vllm(states: list[EngineState], dialect: str, om: bool, escape: bool, model
             info["kv_cache_size_tokens"] = str(s.capacity_tokens)
         infos.append((info, 1.0))
     w.gauge(P + "cache_config_info", "Information of the LLMEngine CacheConfig", infos)
+    if lmcache is not None:
+        _lmcache_families(w, lmcache, model, model)
     return w.text()
+
+
+@dataclass
+class LMCacheState:
+    """What LMCache's own exporter shows for one vLLM worker (lmcache/observability.py@0.5.6):
+    token counters since start, the hit-rate gauges of the last log interval, and the bytes
+    its local CPU tier holds."""
+
+    lookup_tokens_total: int = 0  # tokens asked in lookups (the connector's queries)
+    lookup_hits_total: int = 0
+    requested_tokens_total: int = 0  # tokens asked of retrieve (the lookup hits scheduled for load)
+    hit_tokens_total: int = 0  # tokens retrieved
+    stored_tokens_total: int = 0
+    vllm_hit_tokens_total: int = 0  # vLLM's own (GPU) prefix hits
+    prompt_tokens_total: int = 0
+    local_cache_usage_bytes: int = 0
+    retrieve_hit_rate: float = 0.0
+    lookup_hit_rate: float = 0.0
+
+
+LMCACHE_ROLE = "worker"
+
+
+def render_lmcache(workers: list[LMCacheState], model: str, served_model: str, openmetrics: bool = False) -> str:
+    """LMCache's /metrics: its PrometheusLogger families for each worker (``worker_id`` = TP
+    rank), labels ``model_name, worker_id, role, served_model_name``. LMCache writes to a
+    multiprocess directory, so no ``_created`` series; its gauges use livemostrecent / sum, so
+    no ``pid`` label."""
+    w = _Writer(openmetrics, escape=False, created=False)
+    _lmcache_families(w, workers, model, served_model)
+    return w.text()
+
+
+def _lmcache_families(w: _Writer, workers: list[LMCacheState], model: str, served_model: str) -> None:
+    P = "lmcache:"
+
+    def labels(i: int) -> dict[str, str]:
+        return {"model_name": model, "role": LMCACHE_ROLE, "served_model_name": served_model, "worker_id": str(i)}
+
+    for name, help_text, fn in (
+        ("num_requested_tokens", "Total number of tokens requested from lmcache", lambda s: s.requested_tokens_total),
+        ("num_hit_tokens", "Total number of tokens hit in lmcache", lambda s: s.hit_tokens_total),
+        ("num_stored_tokens", "Total number of tokens stored in lmcache including evicted ones", lambda s: s.stored_tokens_total),
+        ("num_lookup_tokens", "Total number of tokens requested in lookup from lmcache", lambda s: s.lookup_tokens_total),
+        ("num_lookup_hits", "Total number of tokens hit in lookup from lmcache", lambda s: s.lookup_hits_total),
+        ("num_vllm_hit_tokens", "Number of hit tokens in vllm", lambda s: s.vllm_hit_tokens_total),
+        ("num_prompt_tokens", "Number of prompt tokens in lmcache", lambda s: s.prompt_tokens_total),
+    ):
+        w.counter(P + name, help_text, [(labels(i), fn(s), 0.0) for i, s in enumerate(workers)])
+    for name, help_text, fn in (
+        ("retrieve_hit_rate", "Hit rate of lmcache retrieve requests since last log", lambda s: s.retrieve_hit_rate),
+        ("lookup_hit_rate", "Hit rate of lmcache lookup requests since last log", lambda s: s.lookup_hit_rate),
+        ("local_cache_usage", "Local cache usage (bytes) of lmcache", lambda s: s.local_cache_usage_bytes),
+    ):
+        w.gauge(P + name, help_text, [(labels(i), fn(s)) for i, s in enumerate(workers)])

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Mapping
 from kvdiag import capacity
 from kvdiag.model import Scrape
 from kvdiag.refpool import emit
+from kvdiag.refpool.deployments import HybridSWA, LMCacheTier, PDPair, Topology, lmcache_text, unified_metrics
 from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
@@ -83,6 +84,12 @@ class Scenario:
     sglang_conservativeness: float = 1.0  # --schedule-conservativeness (scales new_token_ratio)
     restart_at: float | None = None
     deployment: Deployment = LLAMA70_TP2
+    topology: Topology | None = None  # a PD pair, a hybrid pool, an LMCache tier (deployments.py)
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines the story exists for (a hybrid SWA pool is SGLang's, LMCache vLLM's)."""
+        return self.topology.engines if self.topology is not None else ENGINES
 
     @property
     def dp(self) -> int:
@@ -96,8 +103,19 @@ class Scenario:
 
 
 def make_scheduler(scenario: Scenario, engine: str, store: KVStore | None = None) -> Callable[[], EngineScheduler]:
-    """A factory of fresh engines for ``scenario`` (called again on restart)."""
-    pool = scenario.deployment.pool_tokens
+    """A factory of fresh engines for ``scenario`` (called again on restart), wrapped by its
+    topology where it has one."""
+    topo = scenario.topology
+    if topo is None:
+        return _make_engine(scenario, engine, scenario.deployment.pool_tokens, store)
+    if engine not in topo.engines:
+        raise ValueError(f"{scenario.name} exists for {', '.join(topo.engines)}, not {engine}")
+    pool = topo.pool_tokens(scenario.deployment)
+    make, roofline = _make_engine(scenario, engine, pool, store), scenario.deployment.roofline()
+    return lambda: topo.wrap(make(), engine, roofline, pool)
+
+
+def _make_engine(scenario: Scenario, engine: str, pool: int, store: KVStore | None) -> Callable[[], EngineScheduler]:
     if engine == "sglang":
         return lambda: SGLangScheduler(
             max_total_num_tokens=pool,
@@ -139,8 +157,12 @@ class ScenarioRun:
     def __post_init__(self) -> None:
         make = make_scheduler(self.scenario, self.engine, self.store)
         roofline = self.scenario.deployment.roofline()
+        topo = self.scenario.topology
+        step_time = roofline.step_time if topo is None else topo.step_time(roofline.step_time)
+        metrics = unified_metrics if topo is None else topo.metrics(self.engine)
+        fast = self.fast and (topo is None or topo.fast_forward)
         self.sims = [
-            Simulation(make, wl.requests(), roofline.step_time, batch_time=roofline.batch_seconds if self.fast else None)
+            Simulation(make, wl.requests(), step_time, metrics=metrics, batch_time=roofline.batch_seconds if fast else None)
             for wl in self.scenario.workloads_for(self.engine)
         ]
         self.target = self.target or f"sim://{self.engine}/{self.scenario.name}"
@@ -168,6 +190,21 @@ class ScenarioRun:
                 self.engine, states, dialect=dialect, openmetrics=openmetrics, escape=openmetrics,
                 model=self.scenario.deployment.served_model,
             )  # fmt: skip
+
+    def side_targets(self, openmetrics: bool = False) -> dict[str, str]:
+        """The deployment's other /metrics bodies, by role: a PD pair's prefill instance
+        (``prefill``), LMCache's own exporter (``lmcache``). Empty for a unified server."""
+        topo = self.scenario.topology
+        model = self.scenario.deployment.served_model
+        with contextlib.ExitStack() as stack:
+            for sim in self.sims:
+                stack.enter_context(sim.lock)
+            if isinstance(topo, PDPair):
+                states = [sim.scheduler.prefill_state(sim.state().created) for sim in self.sims]  # type: ignore[attr-defined]
+                return {"prefill": emit.render(self.engine, states, openmetrics=openmetrics, model=model)}
+            if isinstance(topo, LMCacheTier):
+                return {"lmcache": lmcache_text(self.sims, model, openmetrics)}
+            return {}
 
     def follow_wall_clock(
         self, speed: float, duration: float, stop: threading.Event, lagging: Callable[[float], None] | None = None
@@ -361,13 +398,77 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+# ---------------------------------------------------------------- deployments (issue 17)
+GEMMA3_27B_H100 = Deployment(model="gemma-3-27b", gpu="h100", tp=1, served_model="google/gemma-3-27b-it")
+_HYBRID_PROMPT, _HYBRID_OUTPUT = LogNormal(500, 0.3, hi=700), LogNormal(150, 0.5, hi=300)
+HybridSWA.check(GEMMA3_27B_H100.model, _HYBRID_PROMPT.hi + _HYBRID_OUTPUT.hi)
+
+#: Stories of the deployments beyond one unified pool (refpool/deployments.py), each on the
+#: engines it exists for. Kept apart from ``SCENARIOS`` (the unified-pool catalogue every
+#: engine runs) so that catalogue-wide suites keep their shape; ``get`` and the commands take both.
+DEPLOYMENTS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "pd-decode-pool",
+            "The decode instance of a PD pair under long answers: decode growth fills its pool, requests whose "
+            "prompt the prefill instance is ready to send wait for decode room (SGLang's prealloc queue, vLLM's "
+            "waiting for capacity), the pool pins and running requests are retracted / preempted. SGLang's "
+            "num_queue_reqs stays near 0: the backlog is in num_decode_prealloc_queue_reqs. The answer is decode "
+            "capacity, not prefill.",
+            ("l1_kv_bottleneck",),
+            (Workload(Ramp(((0.0, 0.1), (20.0, 0.1), (60.0, 1.0))), LogNormal(4000, 0.3, hi=8000), LogNormal(1500, 0.5, hi=4000),
+                      prefix=SharedPrefix(4, 0.5), seed=41),),
+            duration=180.0,
+            topology=PDPair(),
+        ),
+        Scenario(
+            "pd-kv-transfer",
+            "A vLLM decode instance whose KV link has degraded to 0.3 GB/s (a TCP fallback): prompts' KV arrives "
+            "slower than requests do, so they wait in WAITING_FOR_REMOTE_KVS (reason=deferred) holding their "
+            "blocks, the capacity queue stays empty and the pool keeps room. A queue without KV pressure whose "
+            "cause is the transfer, not the admission limit.",
+            ("queue_without_kv_pressure",),
+            (Workload(Ramp(((0.0, 1.0), (20.0, 1.0), (40.0, 5.5))), LogNormal(200, 0.3, hi=600), LogNormal(100, 0.5, hi=400), seed=42),),
+            duration=135.0,
+            topology=PDPair(link_bytes_per_s=0.3e9, engines=("vllm",)),
+        ),
+        Scenario(
+            "hybrid-swa",
+            "Gemma 3 27B (5 sliding-window layers to 1 global) on SGLang with --swa-full-tokens-ratio 0.6: the "
+            "SWA pool is the smaller one, so under a ramp it pins at ~0.98 while the full-attention pool sits "
+            "near 0.6. token_usage (the larger of the two) names L1; the pool that binds is the SWA one.",
+            ("l1_kv_bottleneck",),
+            (Workload(Ramp(((0.0, 1.0), (20.0, 1.0), (60.0, 16.0))), _HYBRID_PROMPT, _HYBRID_OUTPUT, seed=43),),
+            duration=180.0,
+            deployment=GEMMA3_27B_H100,
+            topology=HybridSWA(swa_full_tokens_ratio=0.6),
+        ),
+        Scenario(
+            "lmcache-underused",
+            "vLLM with LMCache's CPU tier (8x the GPU pool) under the seed's saturation ramp: admission counts "
+            "GPU blocks only, so L1 binds while LMCache's lookups hit little and its local cache stays mostly "
+            "empty. The tier cannot fix P99: L1 is the bottleneck.",
+            ("l1_kv_bottleneck",),
+            (_chat(SATURATION_RAMP, seed=44),),
+            duration=180.0,
+            l2_ratio=8.0,
+            topology=LMCacheTier(),
+        ),
+    )
+}
+
+#: Every story, by name.
+CATALOGUE: dict[str, Scenario] = {**SCENARIOS, **DEPLOYMENTS}
+
+
 def get(name: str, mem_fraction: float | None = None) -> Scenario:
     """A scenario by name; ``mem_fraction`` re-sizes its pool (the deployment's static memory
     fraction), to replay a story on a tighter or roomier L1."""
     try:
-        scenario = SCENARIOS[name]
+        scenario = CATALOGUE[name]
     except KeyError:
-        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(CATALOGUE)}") from None
     if mem_fraction is None:
         return scenario
     return replace(scenario, deployment=replace(scenario.deployment, mem_fraction=mem_fraction))

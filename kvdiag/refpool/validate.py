@@ -270,7 +270,9 @@ class TruthReader:
         done = sorted((r.finished, r.prompt_tokens + r.output_tokens) for r in sim.records if r.finished is not None)
         self.finished = np.array([f for f, _ in done], dtype=float)
         self.sizes = np.array([n for _, n in done], dtype=float)
-        self.capacity = sim.state().capacity_tokens
+        state = sim.state()
+        # The pool that binds: a hybrid model's SWA pool is the smaller one (deployments.py).
+        self.capacity = min(c for c in (state.capacity_tokens, state.swa_capacity_tokens) if c)
 
     def span(self, start: float, end: float) -> SpanTruth:
         """The truth over the steps that started in ``[start, end)`` (module docstring)."""
@@ -406,7 +408,7 @@ def validate(
     worker processes (each run is independent); ``progress(scenario, engine, results)`` is
     called as each finishes. Results keep the catalogue's order whatever finishes first."""
     config = config or Config()
-    work = [(sc, engine, config, interval) for sc in (scenarios or SCENARIOS.values()) for engine in engines]
+    work = [(sc, engine, config, interval) for sc in (scenarios or SCENARIOS.values()) for engine in engines if engine in sc.engines]
     done: dict[int, list[Result]] = {}
     if jobs <= 1:
         for k, item in enumerate(work):
