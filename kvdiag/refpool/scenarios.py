@@ -446,13 +446,13 @@ DEPLOYMENTS: dict[str, Scenario] = {
         ),
         Scenario(
             "lmcache-underused",
-            "vLLM with LMCache's CPU tier (8x the GPU pool) under the seed's saturation ramp: admission counts "
+            "vLLM with LMCache's CPU tier (64x the GPU pool) under the seed's saturation ramp: admission counts "
             "GPU blocks only, so L1 binds while LMCache's lookups hit little and its local cache stays mostly "
             "empty. The tier cannot fix P99: L1 is the bottleneck.",
             ("l1_kv_bottleneck",),
             (_chat(SATURATION_RAMP, seed=44),),
             duration=180.0,
-            l2_ratio=8.0,
+            l2_ratio=64.0,
             topology=LMCacheTier(),
         ),
     )
