@@ -95,6 +95,15 @@ class ModelSpec:
         heads = self.kv_heads if tp is None else math.ceil(self.kv_heads / tp)
         return int(2 * heads * self.head_dim * dtype_bytes)
 
+    def request_bytes(self, context: int, dtype_bytes: float, tp: int | None = None) -> int:
+        """What one request of ``context`` tokens holds (per GPU of a TP group, or with ``tp``
+        None across all ranks): every token in the full-attention layers, at most the window in
+        the sliding-window layers, one recurrent state per Mamba layer, whatever its length."""
+        per_layer = self.kv_bytes_per_token_per_layer(dtype_bytes, tp)
+        window = min(context, self.sliding_window) if self.sliding_window else context
+        state = self.mamba_state_bytes if tp is None else math.ceil(self.mamba_state_bytes / tp)
+        return per_layer * (context * self.full_layers + window * self.swa_layers) + self.mamba_layers * state
+
     def estimated_params(self) -> float:
         """Parameters from the shapes (embeddings, attention, MLP/experts; norms ignored)."""
         h = self.hidden
@@ -280,14 +289,13 @@ class Plan:
         return self.pool_bytes_per_gpu // self.kv_bytes_per_token_per_gpu
 
     def request_bytes_per_gpu(self, context: int) -> int:
-        """The pool one request of ``context`` tokens holds on each GPU: every token in the
-        full-attention layers, at most the window in the sliding-window layers, one state per
-        Mamba layer (heads split over TP like KV heads)."""
-        m = self.model
-        per_layer = m.kv_bytes_per_token_per_layer(DTYPE_BYTES[self.kv_dtype], self.tp)
-        window = min(context, m.sliding_window) if m.sliding_window else context
-        states = m.mamba_layers * math.ceil(m.mamba_state_bytes / self.tp)
-        return per_layer * (context * m.full_layers + window * m.swa_layers) + states
+        """The pool one request of ``context`` tokens holds on each GPU (``request_bytes``,
+        heads split over TP)."""
+        return self.model.request_bytes(context, DTYPE_BYTES[self.kv_dtype], self.tp)
+
+    def request_bytes(self, context: int) -> int:
+        """The KV and state one request of ``context`` tokens holds across the whole model."""
+        return self.model.request_bytes(context, DTYPE_BYTES[self.kv_dtype])
 
     def swa_pools(self) -> tuple[int, int] | None:
         """(full-pool tokens, SWA-pool tokens) of a hybrid SWA model under

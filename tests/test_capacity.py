@@ -150,3 +150,70 @@ def test_weights_that_do_not_fit_name_the_weight_dtype_that_does(capsys: pytest.
     assert "--weight-dtype" not in capsys.readouterr().err
     assert cli.main(["capacity", "--model", "llama-3-70b", "--gpu", "h100", "--weights-gib", "200"]) == 3
     assert "--weight-dtype" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- hybrid models (issue 17)
+GEMMA3 = MODELS["gemma-3-27b"]
+PER_LAYER = 2 * 16 * 128 * 2  # Gemma 3 27B: 16 KV heads x 128, bf16
+
+
+def test_sliding_window_layers_hold_at_most_the_window_per_request() -> None:
+    """Gemma 3 27B: 10 global layers keep every token, 52 sliding-window layers at most 1,024."""
+    assert (GEMMA3.full_layers, GEMMA3.swa_layers, GEMMA3.sliding_window) == (10, 52, 1024)
+    p = Plan(GEMMA3, "bf16", 1, 20 * GIB)
+    assert p.request_bytes(800) == 800 * 62 * PER_LAYER  # inside the window: every layer
+    assert p.request_bytes(32_768) == (32_768 * 10 + 1024 * 52) * PER_LAYER
+    assert p.concurrency(32_768) == 20 * GIB // ((32_768 * 10 + 1024 * 52) * PER_LAYER) == 6
+    assert p.concurrency(32_768) > p.pool_tokens // 32_768  # not every layer's KV: more requests fit
+
+
+def test_sglang_fixed_swa_pools_bind_on_the_tighter_one() -> None:
+    """Under --swa-full-tokens-ratio the pool is two fixed pools (full F, SWA = ratio x F, in
+    tokens of their own layers): short requests bind on the SWA pool, long ones on the full."""
+    p = Plan(GEMMA3, "bf16", 1, 20 * GIB, swa_full_tokens_ratio=0.6)
+    full, swa = p.swa_pools()
+    assert full == int(20 * GIB // (PER_LAYER * (10 + 0.6 * 52))) and swa == int(full * 0.6)
+    assert (full * 10 + swa * 52) * PER_LAYER <= 20 * GIB
+    assert p.concurrency(800) == swa // 800 < full // 800
+    assert p.concurrency(32_768) == full // 32_768 < swa // 1024
+    assert Plan(LLAMA70, "bf16", 8, 60 * GIB, swa_full_tokens_ratio=0.6).swa_pools() is None
+
+
+def test_mamba_layers_hold_one_state_per_request(tmp_path: Path) -> None:
+    """A Nemotron-H-style config: Mamba layers have no per-token KV, one recurrent state per
+    request (SSM state in fp32 plus the conv state), whatever its length."""
+    cfg = {"num_hidden_layers": 8, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "vocab_size": 32000, "hybrid_override_pattern": "M-M*M-M*", "mamba_num_heads": 64,
+           "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = from_hf_config(tmp_path)
+    state = 64 * 64 * 128 * 4 + 3 * (64 * 64 + 2 * 8 * 128) * 2
+    assert (m.mamba_layers, m.full_layers, m.mamba_state_bytes) == (4, 4, state)
+    assert m.kv_bytes_per_token(2) == 4 * 2 * 8 * 128 * 2  # attention layers only
+    p = Plan(m, "bf16", 1, 4 * GIB)
+    assert p.request_bytes(1000) == 1000 * 4 * 4096 + 4 * state
+    assert p.concurrency(1000) == 4 * GIB // (1000 * 4 * 4096 + 4 * state) < p.pool_tokens // 1000
+
+
+def test_layer_types_in_the_config(tmp_path: Path) -> None:
+    cfg = {"num_hidden_layers": 4, "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "vocab_size": 201088, "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = from_hf_config(tmp_path)
+    assert (m.swa_layers, m.full_layers, m.sliding_window, m.mamba_layers) == (2, 2, 128, 0)
+
+
+def test_cli_sizes_hybrid_models(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["capacity", "--model", "gemma-3-27b", "--pool-gib-per-gpu", "20", "--swa-full-tokens-ratio", "0.6",
+            "--context", "800", "--context", "32768", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = Plan(GEMMA3, "bf16", 1, 20 * GIB, swa_full_tokens_ratio=0.6)
+    assert out["hybrid"]["sliding_window_layers"] == 52 and out["hybrid"]["swa_pool_tokens"] == p.swa_pools()[1]
+    assert out["concurrency"] == {"800": p.concurrency(800), "32768": p.concurrency(32_768)}
+    assert out["kv_bytes_per_request"]["32768"] == (32_768 * 10 + 1024 * 52) * PER_LAYER
+    assert cli.main(["capacity", "--model", "llama-3-70b", "--pool-gib-per-gpu", "20", "--swa-full-tokens-ratio", "0.6"]) == 3
+    assert "no sliding-window layers" in capsys.readouterr().err
+    assert "hybrid" not in json.loads((cli.main(["capacity", "--model", "llama-3-70b", "--pool-gib-per-gpu", "20", "--json"]),
+                                       capsys.readouterr().out)[1])  # fmt: skip

@@ -33,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", default="bf16", choices=sorted(cap.DTYPE_BYTES), help="weight dtype for the weights estimate")
     p.add_argument("--weights-gib", type=float, metavar="GIB", help="total weight size instead of the estimate from parameters")
     p.add_argument("--context", type=int, action="append", metavar="TOKENS", help="sequence length (input + output); repeatable")
+    p.add_argument(
+        "--swa-full-tokens-ratio", type=float, metavar="R",
+        help="hybrid sliding-window model on SGLang: its SWA pool is R x the full pool in tokens (SGLang's default 0.8); "
+        "without it the pool is sized per request",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 
@@ -42,10 +47,15 @@ def plan(args: argparse.Namespace) -> cap.Plan:
     spec = cap.model(args.model)
     if args.tp < 1:
         raise ValueError("--tp must be >= 1")
+    ratio = args.swa_full_tokens_ratio
+    if ratio is not None and not spec.swa_layers:
+        raise ValueError(f"--swa-full-tokens-ratio: {spec.name} has no sliding-window layers")
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
     if args.pool_gib_per_gpu is not None:
         if args.pool_gib_per_gpu <= 0:
             raise ValueError("--pool-gib-per-gpu must be > 0")
-        return cap.Plan(spec, args.kv_dtype, args.tp, int(args.pool_gib_per_gpu * cap.GIB))
+        return cap.Plan(spec, args.kv_dtype, args.tp, int(args.pool_gib_per_gpu * cap.GIB), swa_full_tokens_ratio=ratio)
     if args.gpu is None and args.gpu_mem_gib is None:
         raise ValueError("give --pool-gib-per-gpu, or --gpu / --gpu-mem-gib with --mem-fraction")
     if not 0 < args.mem_fraction <= 1:
@@ -57,7 +67,7 @@ def plan(args: argparse.Namespace) -> cap.Plan:
     except ValueError as exc:
         hint = None if args.weights_gib is not None else _weight_dtype_hint(spec, args, gpu_bytes)
         raise ValueError(f"{exc}{hint or ''}") from None
-    return cap.Plan(spec, args.kv_dtype, args.tp, pool, per_gpu)
+    return cap.Plan(spec, args.kv_dtype, args.tp, pool, per_gpu, swa_full_tokens_ratio=ratio)
 
 
 def _weight_dtype_hint(spec: cap.ModelSpec, args: argparse.Namespace, gpu_bytes: float) -> str | None:
@@ -86,8 +96,39 @@ def plan_json(p: cap.Plan, contexts: tuple[int, ...]) -> dict:
         "weight_bytes_per_gpu": p.weight_bytes_per_gpu,
         "pool_tokens": p.pool_tokens,
         "concurrency": {str(c): p.concurrency(c) for c in contexts},
-        "kv_bytes_per_request": {str(c): c * p.kv_bytes_per_token for c in contexts},
+        "kv_bytes_per_request": {str(c): p.request_bytes(c) for c in contexts},
+        **({"hybrid": _hybrid_json(p)} if p.model.hybrid else {}),
     }
+
+
+def _hybrid_json(p: cap.Plan) -> dict:
+    """A hybrid model's layer kinds and, under SGLang's fixed split, its two pools."""
+    m = p.model
+    pools = p.swa_pools()
+    return {
+        "full_attention_layers": m.full_layers,
+        "sliding_window_layers": m.swa_layers,
+        "sliding_window": m.sliding_window,
+        "mamba_layers": m.mamba_layers,
+        "mamba_state_bytes_per_request": m.mamba_layers * m.mamba_state_bytes,
+        "swa_full_tokens_ratio": p.swa_full_tokens_ratio,
+        "full_pool_tokens": pools[0] if pools else None,
+        "swa_pool_tokens": pools[1] if pools else None,
+    }
+
+
+def _hybrid_line(p: cap.Plan) -> str:
+    m = p.model
+    parts = [f"{m.full_layers} full-attention layers"]
+    if m.swa_layers:
+        parts.append(f"{m.swa_layers} sliding-window layers (at most {m.sliding_window:,} tokens per request each)")
+    if m.mamba_layers:
+        parts.append(f"{m.mamba_layers} Mamba layers ({m.mamba_layers * m.mamba_state_bytes / cap.MIB:.1f} MiB of state per request)")
+    line = "hybrid: " + ", ".join(parts)
+    pools = p.swa_pools()
+    if pools:
+        line += f"; pools at ratio {p.swa_full_tokens_ratio:g}: full {pools[0]:,} tokens, SWA {pools[1]:,} tokens"
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,10 +151,12 @@ def run(args: argparse.Namespace) -> int:
     )
     weights = f", after {p.weight_bytes_per_gpu / cap.GIB:.1f} GiB of weights" if p.weight_bytes_per_gpu else ""
     console.print(f"pool: {p.pool_bytes_per_gpu / cap.GIB:.1f} GiB per GPU{weights} = [bold]{p.pool_tokens:,}[/bold] tokens")
+    if p.model.hybrid:
+        console.print(_hybrid_line(p), highlight=False)
     table = Table(title="concurrency ceiling")
     for col in ("context (in + out)", "KV per request", "max concurrent"):
         table.add_column(col, justify="right")
     for c in contexts:
-        table.add_row(f"{c:,}", f"{c * p.kv_bytes_per_token / 1e9:.2f} GB", f"{p.concurrency(c):,}")
+        table.add_row(f"{c:,}", f"{p.request_bytes(c) / 1e9:.2f} GB", f"{p.concurrency(c):,}")
     console.print(table)
     return 0
