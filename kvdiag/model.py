@@ -16,6 +16,13 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 Granularity = Literal["token", "block"]
+#: What an instance does in prefill/decode disaggregation ("unified" serves both phases).
+Role = Literal["prefill", "decode", "unified"]
+#: Why a queued request waits: for room in the pool / batch ("capacity"), for something else
+#: first (its KV transfer, a bootstrap handshake, a LoRA slot: "deferred"), or it is no longer
+#: queued but its KV is in flight ("in_flight", shown, never counted as waiting).
+QueueKind = Literal["capacity", "deferred", "in_flight"]
+KIND_ORDER: dict[str, int] = {"capacity": 0, "deferred": 1, "in_flight": 2}
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,42 @@ class Histogram:
             raise ValueError("histogram has no +Inf bucket")
 
 
+@dataclass(frozen=True)
+class Queue:
+    """One of an instance's request queues as its engine names it, with what it waits for.
+
+    A disaggregated deployment splits "waiting" over several queues, and only some of them wait
+    for the pool: a decode instance's pre-allocation queue is its pool's admission queue, while
+    its transfer queue (and a vLLM request deferred for its KV) waits for the other instance."""
+
+    name: str  # the role's own term, e.g. "decode prealloc queue"
+    kind: QueueKind
+    requests: float
+    metric: str
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One KV pool of a hybrid model (full attention, sliding window, Mamba states), in its own
+    unit; a classic model has none of these (its one pool is the PoolSample's own fields)."""
+
+    kind: str  # "full" | "swa" | "mamba"
+    usage_ratio: float
+    used: float | None = None
+    evictable: float | None = None
+    available: float | None = None
+    capacity: float | None = None
+    unit: str = "tokens"  # Mamba pools count request states
+    metric: str = ""
+
+    @property
+    def title(self) -> str:
+        return POOL_TITLES.get(self.kind, self.kind)
+
+
+POOL_TITLES = {"full": "full-attention pool", "swa": "sliding-window pool", "mamba": "Mamba state pool"}
+
+
 #: Scalar fields of a PoolSample that hold numbers (everything but identity and histograms).
 NUMERIC_FIELDS = (
     "capacity_tokens",
@@ -64,8 +107,13 @@ NUMERIC_FIELDS = (
     "available_tokens",
     "running",
     "waiting",
+    "waiting_capacity",
+    "waiting_deferred",
+    "transfers_in_flight",
     "evictions_total",
     "last_eviction_event",
+    "recompute_tokens_total",
+    "admission_rejections_total",
     "prefix_hit_tokens_total",
     "prefix_query_tokens_total",
     "prefix_hit_ratio_gauge",
@@ -75,13 +123,18 @@ NUMERIC_FIELDS = (
     "l2_used_tokens",
     "l2_capacity_tokens",
     "l2_hit_tokens_total",
+    "l2_query_tokens_total",
+    "l2_load_bytes_total",
+    "l2_store_bytes_total",
+    "l2_dropped_tokens_total",
+    "l3_hit_tokens_total",
     "external_hit_tokens_total",
     "external_query_tokens_total",
     "decode_reserve_ratio",
 )
 
 #: Fields that hold a cumulative ``Histogram``.
-HISTOGRAM_FIELDS = ("ttft", "queue_time")
+HISTOGRAM_FIELDS = ("ttft", "queue_time", "preemptions_per_request")
 
 #: (part, whole) counter pairs: hits are a subset of queries, so a part above its whole makes
 #: the ratio above 1 and both figures suspect.
@@ -89,6 +142,7 @@ PARTS = (
     ("prefix_hit_tokens_total", "prefix_query_tokens_total"),
     ("external_hit_tokens_total", "external_query_tokens_total"),
     ("l2_used_tokens", "l2_capacity_tokens"),
+    ("l2_hit_tokens_total", "l2_query_tokens_total"),
 )
 
 #: The largest integer a float holds exactly: a token or request count beyond it is no count.
@@ -139,7 +193,14 @@ COUNTER_FIELDS = (
     "prompt_tokens_total",
     "generation_tokens_total",
     "requests_total",
+    "recompute_tokens_total",
+    "admission_rejections_total",
     "l2_hit_tokens_total",
+    "l2_query_tokens_total",
+    "l2_load_bytes_total",
+    "l2_store_bytes_total",
+    "l2_dropped_tokens_total",
+    "l3_hit_tokens_total",
     "external_hit_tokens_total",
     "external_query_tokens_total",
 )
@@ -153,6 +214,7 @@ class PoolSample:
     engine: str
     ts: float
     model: str | None = None
+    role: Role | None = None  # prefill / decode / unified where the series say it
     # The pool. capacity in tokens; block_size/num_blocks where blocks are the source.
     capacity_tokens: float | None = None
     block_size: float | None = None
@@ -164,13 +226,24 @@ class PoolSample:
     used_tokens: float | None = None
     evictable_tokens: float | None = None
     available_tokens: float | None = None
-    # Scheduler.
+    # Scheduler. ``waiting`` is every queued request (capacity + deferred), split below where
+    # the engine says why; ``queues`` names each queue as the engine does.
     running: float | None = None
     waiting: float | None = None
+    waiting_capacity: float | None = None
+    waiting_deferred: float | None = None
+    transfers_in_flight: float | None = None  # requests whose KV is being sent or fetched
+    queues: tuple[Queue, ...] = ()
     # Running requests thrown out of L1 and recomputed (retract / preempt), cumulative.
     evictions_total: float | None = None
     # Size of the last eviction event (a gauge some versions export); never rated.
     last_eviction_event: float | None = None
+    # Tokens thrown away by evictions (to be computed again), and requests refused at the door.
+    recompute_tokens_total: float | None = None
+    admission_rejections_total: float | None = None
+    preemptions_per_request: Histogram | None = None  # per finished request
+    # Every pool of a hybrid model; the classic fields above are the binding pool's split.
+    pools: tuple[Pool, ...] = ()
     # Prefix cache (L1) from counters; the gauge only where no counter exists.
     prefix_hit_tokens_total: float | None = None
     prefix_query_tokens_total: float | None = None
@@ -183,6 +256,13 @@ class PoolSample:
     l2_used_tokens: float | None = None
     l2_capacity_tokens: float | None = None
     l2_hit_tokens_total: float | None = None
+    l2_query_tokens_total: float | None = None  # where the tier counts its own lookups
+    l2_tier: str | None = None  # what the L2 is, in words ("host-memory tier", "LMCache", ...)
+    # L2 traffic (L1 <-> L2 bytes), tokens the L2 dropped, L3 (storage) hit tokens.
+    l2_load_bytes_total: float | None = None
+    l2_store_bytes_total: float | None = None
+    l2_dropped_tokens_total: float | None = None
+    l3_hit_tokens_total: float | None = None
     external_hit_tokens_total: float | None = None
     external_query_tokens_total: float | None = None
     # Admission's reservation ratio for running requests' future output, where exported.
@@ -191,6 +271,11 @@ class PoolSample:
     ttft: Histogram | None = None
     queue_time: Histogram | None = None
     labels: dict[str, str] = field(default_factory=dict)  # the labels that split this instance
+    # Gauges written per process (a ``pid`` label without a multiprocess mode): field -> pid ->
+    # value, for the window to pick the most recent writer (``kvdiag.window.resolve_writers``).
+    writers: dict[str, dict[str, float]] = field(default_factory=dict)
+    # pid -> ts of the scrape where that pid's value last changed, per field (set by the window).
+    writer_changed: dict[str, dict[str, float]] = field(default_factory=dict)
     provenance: dict[str, Provenance] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -236,6 +321,11 @@ class PoolSample:
         if self.prefix_hit_tokens_total is not None and self.prefix_query_tokens_total:
             return self.prefix_hit_tokens_total / self.prefix_query_tokens_total
         return self.prefix_hit_ratio_gauge
+
+    @property
+    def binding_pool(self) -> Pool | None:
+        """The fullest pool of a hybrid model (the one admission runs out of first)."""
+        return max(self.pools, key=lambda p: p.usage_ratio) if self.pools else None
 
     def present(self) -> list[str]:
         return [f.name for f in fields(self) if f.name in self.provenance and not self.provenance[f.name].invalid]

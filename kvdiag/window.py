@@ -123,6 +123,44 @@ def bucket_quantile(q: float, bounds: tuple[float, ...], counts: np.ndarray) -> 
 HistogramColumns = tuple[tuple[float, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
+def resolve_writers(prev: PoolSample | None, sample: PoolSample) -> None:
+    """Read a per-process gauge (``PoolSample.writers``) as its most recent writer.
+
+    Without a multiprocess mode each process keeps its own series, and one that stopped
+    writing (idle, or dead: its file stays) keeps its last value, so the max over processes can
+    be any old value. A scrape carries no write times; what history shows is when a process's
+    value changed, so the pid whose value changed most recently (or that appeared most recently)
+    is the writer, and ties (processes that wrote together) take the max. Before any change is
+    seen (a single scrape, or processes that all stand still) the figure is ambiguous: the max
+    stays, and the provenance says so. A sample is resolved once, against the one before it
+    (``prev``, itself resolved), so windows over parts of a series agree.
+    """
+    for name, values in sample.writers.items():
+        if name in sample.writer_changed:
+            continue
+        before = prev.writers.get(name) if prev is not None else None
+        changed = dict(prev.writer_changed.get(name, {})) if prev is not None else {}
+        changed = {pid: t for pid, t in changed.items() if pid in values}
+        if before is not None or (prev is not None and getattr(prev, name) is not None):
+            for pid, v in values.items():
+                if before is None or pid not in before or before[pid] != v:
+                    changed[pid] = sample.ts
+        sample.writer_changed[name] = changed
+        src = sample.provenance.get(name)
+        if src is None:
+            continue
+        spread = ", ".join(f"pid {pid}={v:g}" for pid, v in sorted(values.items()))
+        if changed:
+            newest = max(changed.values())
+            pid, v = max(((p, values[p]) for p, t in changed.items() if t == newest), key=lambda x: x[1])
+            how = f"written per process ({spread}); pid {pid} changed its value most recently: taken"
+            setattr(sample, name, v)
+        else:
+            how = (f"written per process ({spread}); no process has changed its value yet, so which wrote last is "
+                   "ambiguous: the max is taken")
+        sample.provenance[name] = replace(src, note="; ".join(x for x in (src.note, how) if x))
+
+
 class Window:
     """One instance's samples over a span, oldest first.
 
@@ -136,6 +174,9 @@ class Window:
         self._samples: list[PoolSample] | None = sorted(samples, key=lambda s: s.ts)
         if not self._samples:
             raise ValueError(f"window for {instance} has no samples")
+        for prev, sample in zip([None, *self._samples[:-1]], self._samples):
+            if sample.writers:
+                resolve_writers(prev, sample)
         self._last = self._samples[-1]
         self._frame: pd.DataFrame | None = None
         self._columns: dict[str, np.ndarray] = {}

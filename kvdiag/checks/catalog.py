@@ -117,14 +117,19 @@ SERIES = {
                "read after the frees) over capacity; 0 where an input is missing"),
         Series("instance:kvdiag_kv_admission_usage:ratio{window}", "usage_ratio",
                "usage + admission need, at most 1 (what admission counts as taken now)"),
-        Series("instance:kvdiag_waiting:requests", "waiting", "requests in the waiting queue; max over TP ranks"),
+        Series("instance:kvdiag_waiting:requests", "waiting",
+               "requests in the waiting queues (the scheduler's, plus a disaggregated role's bootstrap / prealloc / "
+               "transfer queues; vLLM: waiting + deferred); max over TP ranks"),
         Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
         Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
         Series("instance:kvdiag_ttft_seconds:p99_{window}", "ttft", "histogram_quantile of the TTFT buckets' rate()"),
         Series("instance:kvdiag_ttft_requests:increase{window}", "ttft", "first tokens observed in the window (traffic floor)"),
         Series("instance:kvdiag_prefix_hit:ratio{window}", "prefix_hit_tokens_total", "rate(hit tokens) / rate(queried tokens)"),
         Series("instance:kvdiag_l2_usage:ratio", "l2_used_tokens", "L2 (host tier) used / capacity, where reported"),
-        Series("instance:kvdiag_l2_hit:share{window}", "l2_hit_tokens_total", "rate(L2 hit tokens) / rate(queried tokens)"),
+        Series("instance:kvdiag_l2_hit:share{window}", "l2_hit_tokens_total",
+               "rate(L2 hit tokens) / rate(the tier's own lookups (LMCache), else queried tokens)"),
+        Series("instance:kvdiag_l2_load_bytes:rate{window}", "l2_load_bytes_total", "bytes copied back from L2 into L1 per second"),
+        Series("instance:kvdiag_l2_store_bytes:rate{window}", "l2_store_bytes_total", "bytes copied from L1 into L2 per second"),
     )
 }
 
@@ -155,7 +160,7 @@ CHECKS = (
         ">= max({queue_min_growth}, {backlog_ratio} x running) with a slope >= 0 over {queue_short_window} "
         "(a backlog not draining)",
         ("window", "queue_short_window", "queue_min_growth", "queue_growth_ratio", "backlog_ratio", "min_samples"),
-        ("waiting", "running"),
+        ("waiting", "running", "waiting_capacity", "waiting_deferred", "transfers_in_flight", "admission_rejections_total"),
         True,
         "instance:kvdiag_waiting:requests > 0 and ("
         "(instance:kvdiag_waiting:requests - min_over_time(instance:kvdiag_waiting:requests[{queue_short_window}])"
@@ -170,7 +175,7 @@ CHECKS = (
         "retract/preempt counter growing",
         "the eviction (retract/preempt) counter rose by >= {min_evictions} over the window, reset-safe",
         ("window", "min_evictions", "min_samples"),
-        ("evictions_total",),
+        ("evictions_total", "recompute_tokens_total", "preemptions_per_request"),
         True,
         "instance:kvdiag_evictions:rate{window} * {window_seconds} >= {min_evictions}",
     ),
@@ -200,15 +205,20 @@ CHECKS = (
         "l2_underused",
         None,
         "L2 underused while L1 is saturated",
-        "L2 occupancy < {l2_low_occupancy} or L2 hits < {l2_low_hit_share} of queried tokens, "
-        "while kv_usage_saturated fires (only where an L2 tier is reported)",
+        "L2 occupancy < {l2_low_occupancy}, or L2 hits < {l2_low_hit_share} of the tier's lookups (else of queried "
+        "tokens), or L2 stored into with nothing loaded back, while kv_usage_saturated fires (only where an L2 tier "
+        "is reported; each tier judged on what it exports)",
         ("window", "l2_low_occupancy", "l2_low_hit_share", "saturated_usage", "saturated_fraction", "saturated_short_window"),
-        ("l2_capacity_tokens", "l2_used_tokens", "l2_hit_tokens_total", "usage_ratio"),
+        ("l2_capacity_tokens", "l2_used_tokens", "l2_hit_tokens_total", "usage_ratio", "l2_query_tokens_total",
+         "l2_load_bytes_total", "l2_store_bytes_total", "l2_dropped_tokens_total", "l3_hit_tokens_total"),
         False,
         "(instance:kvdiag_l2_usage:ratio < {l2_low_occupancy}"
-        " or instance:kvdiag_l2_hit:share{window} < {l2_low_hit_share}) and ({S})",
-        # an L2 tier is there when its occupancy is reported or its hit counter counted something
-        "instance:kvdiag_l2_usage:ratio or instance:kvdiag_l2_hit:share{window} > 0",
+        " or instance:kvdiag_l2_hit:share{window} < {l2_low_hit_share}"
+        " or (instance:kvdiag_l2_load_bytes:rate{window} == 0 and instance:kvdiag_l2_store_bytes:rate{window} > 0))"
+        " and ({S})",
+        # an L2 tier is there when its occupancy is reported, or its hits or traffic counted something
+        "instance:kvdiag_l2_usage:ratio or instance:kvdiag_l2_hit:share{window} > 0"
+        " or (instance:kvdiag_l2_load_bytes:rate{window} + instance:kvdiag_l2_store_bytes:rate{window} > 0)",
     ),
 )
 

@@ -5,6 +5,10 @@ and the new value counts as evictions since the restart), never from the last-ev
 some versions export: that gauge holds the size of the most recent event and cannot be rated.
 A counter an engine only creates on first use arrives from the adapter as a derived zero.
 
+Its evidence carries what the evictions cost where the engine reports it: the tokens thrown
+away and computed again (retracted input + output tokens), the preemptions per finished request
+(a histogram some engines export), never part of the status.
+
 The increase is PromQL's (``kvdiag.checks.stats``: every drop a reset, extrapolated to the
 window's edges), so the rule ``instance:kvdiag_evictions:rate5m * 300 >= 1`` is this check.
 """
@@ -12,7 +16,7 @@ window's edges), so the rule ``instance:kvdiag_evictions:rate5m * 300 >= 1`` is 
 from __future__ import annotations
 
 from kvdiag.checks import stats
-from kvdiag.checks.base import absent, needs_window, result, span, too_short
+from kvdiag.checks.base import absent, needs_window, result, since, span, too_short
 from kvdiag.config import Config
 from kvdiag.model import CheckResult
 from kvdiag.window import Window, count_resets
@@ -52,4 +56,33 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     summary = f"{increase:.0f} evictions (retract/preempt) in {ts[-1] - ts[0]:.0f}s"
     if resets:
         summary += f"; {resets} counter reset{'s' if resets > 1 else ''} (engine restart) handled"
+    cost = recompute_cost(window, config)
+    values.update(cost)
+    if cost["recompute_tokens"] is not None:
+        per = cost["recompute_tokens_per_eviction"]
+        summary += f"; {cost['recompute_tokens']:,.0f} tokens thrown away to be computed again" + (f" ({per:,.0f} per eviction)" if per else "")
+    if cost["preemptions_per_finished_request"] is not None:
+        summary += (f"; {cost['preemptions_per_finished_request']:.2f} preemptions per finished request, "
+                    f"{cost['finished_preempted_twice_or_more']:.0%} of them preempted twice or more")
     return result(NAME, increase >= config.min_evictions, ts, values, summary)
+
+
+def recompute_cost(window: Window, config: Config) -> dict[str, float | None]:
+    """Tokens thrown away by evictions over the span (and per eviction), and from a histogram of
+    preemptions per finished request: their mean, and the share preempted twice or more (the
+    engine's first bucket, le=1, holds the requests preempted once and those never preempted)."""
+    start = since(window, config)
+    tokens = window.increase("recompute_tokens_total", start)
+    evictions = window.increase("evictions_total", start)
+    h = window.histogram_increase("preemptions_per_request", start)
+    mean = twice = None
+    if h is not None and h.count > 0:
+        mean = h.sum / h.count if h.sum == h.sum else None
+        once = next((c for b, c in zip(h.bounds, h.counts) if b >= 1), h.count)
+        twice = (h.count - once) / h.count
+    return {
+        "recompute_tokens": tokens,
+        "recompute_tokens_per_eviction": tokens / evictions if tokens is not None and evictions else None,
+        "preemptions_per_finished_request": mean,
+        "finished_preempted_twice_or_more": twice,
+    }

@@ -14,6 +14,13 @@ trend). Two windows, as in the SRE workbook's multiwindow alerts:
   its least-squares slope over the short window is not negative: admission is not keeping up
   even if the queue stopped growing.
 
+``waiting`` is every queued request of the instance's role: on a disaggregated deployment the
+queues of that role are added (a decode instance's pre-allocation queue is its pool's admission
+queue; its transfer queue, a prefill's bootstrap queue and requests deferred for their KV wait for
+their KV transfer or the other instance). The evidence keeps the capacity queue apart from
+deferred work and names each queue as the engine does; requests refused at admission (a queue
+cap) are their own evidence, since a capped queue cannot grow.
+
 Every statistic is PromQL's own (``kvdiag.checks.stats``), so the rule is the same check::
 
     waiting > 0 and (
@@ -24,7 +31,7 @@ Every statistic is PromQL's own (``kvdiag.checks.stats``), so the rule is the sa
 from __future__ import annotations
 
 from kvdiag.checks import stats
-from kvdiag.checks.base import absent, needs_window, result, span, too_short
+from kvdiag.checks.base import absent, needs_window, result, since, span, too_short
 from kvdiag.config import Config
 from kvdiag.model import CheckResult
 from kvdiag.window import Window
@@ -65,6 +72,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "growing": growing,
         "backlog_not_draining": backlog,
         "decode_reserve_ratio": window.last.decode_reserve_ratio,
+        **queue_split(window, config),
     }
     slope = f"{long_slope * 60:+.2f}/min" if long_slope is not None else "n/a"
     summary = (
@@ -75,4 +83,36 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         summary += f" (>= {need_rise:g} needed), {running:.0f} running"
     if backlog and not growing:
         summary += f"; backlog >= {config.backlog_ratio:g} x running and not draining"
+    summary += _queues_text(window, values)
     return result(NAME, growing or backlog, ts, values, summary)
+
+
+def queue_split(window: Window, config: Config) -> dict[str, float | str | None]:
+    """The role, the capacity and deferred parts of the queue (first and last in the span), KV
+    transfers in flight, each queue by its engine's name now, and admission rejections."""
+    out: dict[str, float | str | None] = {"role": window.last.role}
+    for field in ("waiting_capacity", "waiting_deferred"):
+        _, vals = span(window, config, field)
+        out[field + "_first"] = float(vals[0]) if len(vals) else None
+        out[field + "_last"] = float(vals[-1]) if len(vals) else None
+    out["transfers_in_flight_last"] = window.last.transfers_in_flight
+    out["deferred_queues"] = ", ".join(q.name for q in window.last.queues if q.kind == "deferred" and q.requests > 0) or None
+    out["queues"] = ", ".join(f"{q.name} {q.requests:.0f} [{q.kind}; {q.metric}]" for q in window.last.queues) or None
+    out["admission_rejections"] = window.increase("admission_rejections_total", since(window, config))
+    return out
+
+
+def _queues_text(window: Window, values: dict) -> str:
+    """The queues behind ``waiting`` in words, where the engine reports more than one."""
+    text = ""
+    queues = window.last.queues
+    cap_first, cap_last = values["waiting_capacity_first"], values["waiting_capacity_last"]
+    def_last = values["waiting_deferred_last"]
+    if cap_last is not None and def_last is not None:
+        text += f"; waiting for pool/scheduling room {cap_first:.0f} -> {cap_last:.0f}, deferred {def_last:.0f}"
+    if len(queues) > 1 or window.last.role in ("prefill", "decode"):
+        role = f"{window.last.role} instance; " if window.last.role else ""
+        text += "; " + role + "now: " + ", ".join(f"{q.name} {q.requests:.0f}" for q in queues)
+    if values["admission_rejections"]:
+        text += f"; {values['admission_rejections']:.0f} requests rejected at admission (queue cap) in the window"
+    return text

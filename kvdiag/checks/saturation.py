@@ -16,6 +16,11 @@ early and a blip is not a pinned pool:
   need, reaches ``saturated_usage`` (pinned in at least ``saturated_fraction`` of the span), and
   so does the newest sample: a pool that stays pinned with short dips.
 
+A hybrid model has several pools (full attention, sliding window, Mamba states) and admission
+runs out of the fullest first; the engine's usage gauge is already the largest of them, so the
+check is the same, and the evidence names the binding pool beside the others and shows its
+evictable / available split.
+
 Either fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
 ``instance:kvdiag_kv_admission_need:ratio5m``::
 
@@ -86,4 +91,27 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         summary += f" (usage gauge {last:.2f} + {adm.need_tokens:,.0f} tokens the next admission needs)"
     if not (fast or slow) and adm.admission >= u:
         summary += "; a spike at the end, not a pinned pool"
+    values.update(pool_values(window))
+    if values["pools"]:
+        summary += f"; {values['pools']}"
     return result(NAME, fast or slow, ts, values, summary)
+
+
+def pool_values(window: Window) -> dict[str, float | str | None]:
+    """A hybrid model's pools at the newest sample, the binding (fullest) one first, with its
+    split: "the sliding-window pool is at 0.98; the full-attention pool at 0.61"."""
+    last = window.last
+    binding = last.binding_pool
+    if binding is None:
+        return {"binding_pool": None, "pools": None}
+    others = sorted((p for p in last.pools if p is not binding), key=lambda p: -p.usage_ratio)
+    text = f"the {binding.title} is at {binding.usage_ratio:.2f} (binding)" + "".join(
+        f"; the {p.title} at {p.usage_ratio:.2f}" for p in others)
+    split = [f"{name} {v:,.0f}" for name, v in (("used", binding.used), ("evictable", binding.evictable),
+                                                 ("available", binding.available)) if v is not None]
+    if split:
+        text += f"; {binding.title}: " + ", ".join(split) + f" {binding.unit}"
+    out: dict[str, float | str | None] = {"binding_pool": binding.kind, "pools": text}
+    for p in last.pools:
+        out[f"{p.kind}_pool_usage"] = p.usage_ratio
+    return out

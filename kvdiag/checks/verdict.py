@@ -36,7 +36,7 @@ def decide(checks: Mapping[str, CheckResult], config: Config) -> Verdict:
     reason += "]"
     if unknown:
         reason += f"; {', '.join(SIGNALS[s] for s in unknown)} unknown, but the answer is the same either way"
-    return _verdict(row.verdict, reason + _usage_note(row.verdict, checks, config))
+    return _verdict(row.verdict, reason + _usage_note(row.verdict, checks, config) + _deferred_note(checks))
 
 
 def findings(verdict: Verdict, checks: Mapping[str, CheckResult]) -> list[Finding]:
@@ -58,6 +58,22 @@ def _verdict(name: str, reason: str) -> Verdict:
 
 def _why(result: CheckResult) -> str:
     return result.evidence.summary or ", ".join(result.missing)
+
+
+def _deferred_note(checks: Mapping[str, CheckResult]) -> str:
+    """Where most of a firing queue is deferred work (its KV transfer, the other instance of a
+    disaggregated pair), say so: those requests do not wait for this pool or its scheduler."""
+    q = checks[SIGNALS["Q"]]
+    if q.status != "firing":
+        return ""
+    waiting, deferred = q.evidence.values.get("waiting_last"), q.evidence.values.get("waiting_deferred_last")
+    names = q.evidence.values.get("deferred_queues")
+    if not isinstance(waiting, float) or not isinstance(deferred, float) or not waiting or deferred < waiting / 2:
+        return ""
+    capacity = q.evidence.values.get("waiting_capacity_last")
+    room = f" ({capacity:.0f} wait for scheduling room)" if isinstance(capacity, float) else ""
+    return (f". {deferred:.0f} of the {waiting:.0f} waiting requests are {names or 'deferred'}{room}: deferred work, "
+            "not held back by this pool, the admission limit, the token budget or compute")
 
 
 def _usage_note(verdict: str, checks: Mapping[str, CheckResult], config: Config) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from kvdiag.exposition import Exposition, Family, Sample
-from kvdiag.model import Histogram, PoolSample, Provenance
+from kvdiag.model import Histogram, PoolSample, Provenance, violation
 
 #: Labels whose values repeat one engine's figures (ranks of one model replica, processes).
 DUPLICATE_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_cp_rank", "pid"})
@@ -123,6 +123,25 @@ def value(
     if select is not None:
         picked = [s for s in picked if all(s.labels.get(k) == v for k, v in select.items())]
     return _combine(picked, sum_over)
+
+
+def record_writers(sample: PoolSample, field_name: str, fam: Family | None, split: dict[str, str], suffix: str = "") -> None:
+    """Keep a per-process gauge's value per ``pid`` when several processes wrote it.
+
+    A gauge left in prometheus_client's "all" multiprocess mode is one series per writing
+    process, and a process that stopped writing (or died: "all" files outlive their process)
+    keeps its last value. The field holds the max for now (``value``); the window replaces it with the most
+    recent writer's value (``kvdiag.window.resolve_writers``), which only history can tell."""
+    if fam is None or getattr(sample, field_name) is None:
+        return
+    per_pid: dict[str, list[Sample]] = {}
+    for s in members(fam, split, suffix):
+        if "pid" in s.labels:
+            per_pid.setdefault(s.labels["pid"], []).append(s)
+    values = {pid: _combine(group, ()) for pid, group in per_pid.items()}
+    clean = {pid: v for pid, v in values.items() if v is not None and violation(field_name, v) is None}
+    if len(clean) >= 2:
+        sample.writers[field_name] = clean
 
 
 class InvalidHistogram(ValueError):

@@ -11,7 +11,20 @@ Version facts encoded here (shared/facts/engine-metrics.md §2):
 - the multiprocess registry omits a counter until it is first incremented, so on a version
   that has the retraction counter its absence means "none yet";
 - ``dp_rank`` splits a server into data-parallel engines; tokenizer series (TTFT, prompt tokens,
-  cached tokens) carry no ``dp_rank`` and are server-wide.
+  cached tokens) carry no ``dp_rank`` and are server-wide;
+- the role is the scheduler series' ``engine_type`` label (unified | prefill | decode, 0.5.8+;
+  always "unified" before); the PD queue gauges are exported as 0 in unified mode, so a non-zero
+  one only backs the label up where it is missing. A decode instance's pre-allocation queue waits
+  for room in its pool (its admission queue); its transfer queue and a prefill instance's
+  bootstrap queue wait for the other instance; a prefill's inflight queue is prefilled work whose
+  KV is being sent (``QUEUES``);
+- hybrid models (sliding window, Mamba) report each pool apart (``swa_*``, ``mamba_*``);
+  ``token_usage`` is the largest pool usage, rounded;
+- recompute cost: ``num_retracted_input_tokens_total`` + ``num_retracted_output_tokens_total``;
+- L2 (HiCache host memory): occupancy ``hicache_host_{used,total}_tokens``, hits
+  ``cached_tokens_total{cache_source="host"}`` / ``prefill_effective_tokens_total{mode="host_hit"}``,
+  traffic ``load_back_bytes_total`` / ``hicache_backup_bytes_total``, drops
+  ``hicache_dropped_tokens_total``; L3 (storage) hits ``storage_prefetch_hit_tokens_total``.
 """
 
 from __future__ import annotations
@@ -27,11 +40,12 @@ from kvdiag.engines.base import (
     model_name,
     put,
     put_histogram,
+    record_writers,
     split_values,
     value,
 )
 from kvdiag.exposition import Exposition
-from kvdiag.model import PoolSample, Provenance
+from kvdiag.model import Pool, PoolSample, Provenance, Queue, QueueKind
 
 NAME = "sglang"
 P = "sglang:"
@@ -45,6 +59,18 @@ HAS_RETRACT_COUNTER = (
     P + "full_token_usage",
     P + "kv_used_tokens",
     P + "prefill_effective_tokens",
+)
+
+#: The scheduler's queues: (names, newest first; the role's term; what it waits for; the role
+#: that fills it, None for every role). Each is a gauge of requests.
+QUEUES: tuple[tuple[tuple[str, ...], str, QueueKind, str | None], ...] = (
+    ((P + "num_queue_reqs",), "waiting queue", "capacity", None),
+    ((P + "num_decode_prealloc_queue_reqs",), "decode prealloc queue (waiting for room in this pool)", "capacity", "decode"),
+    ((P + "num_decode_transfer_queue_reqs",), "decode transfer queue (KV arriving from the prefill instance)", "deferred", "decode"),
+    ((P + "num_prefill_bootstrap_queue_reqs", P + "num_prefill_prealloc_queue_reqs"),
+     "prefill bootstrap queue (waiting for the decode instance's handshake)", "deferred", "prefill"),
+    ((P + "num_prefill_inflight_queue_reqs", P + "num_prefill_infight_queue_reqs"),
+     "prefill inflight queue (prefilled, KV being sent)", "in_flight", "prefill"),
 )
 
 WANTED = (
@@ -72,7 +98,22 @@ WANTED = (
     P + "hicache_host_total_tokens",
     P + "time_to_first_token_seconds",
     P + "queue_time_seconds",
-)
+    P + "num_retracted_input_tokens",
+    P + "num_retracted_output_tokens",
+    P + "swa_token_usage",
+    P + "mamba_usage",
+    P + "max_total_num_tokens_swa",
+    P + "swa_used_tokens",
+    P + "swa_evictable_tokens",
+    P + "swa_available_tokens",
+    P + "mamba_used_tokens",
+    P + "mamba_evictable_tokens",
+    P + "mamba_available_tokens",
+    P + "load_back_bytes",
+    P + "hicache_backup_bytes",
+    P + "hicache_dropped_tokens",
+    P + "storage_prefetch_hit_tokens",
+) + tuple(name for q in QUEUES for name in q[0])
 
 KNOBS = Knobs(
     admission_limit="--max-running-requests",
@@ -96,6 +137,7 @@ OUTPUT_RESERVE_CLIP = 4096
 USAGE_AFTER_FREES = False
 
 _STREAM = ("is_streaming",)
+
 
 
 def detect(expo: Exposition) -> bool:
@@ -125,9 +167,12 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
     if usage is not None:
         ps.usage_granularity = "token"
     capacity = put(ps, "capacity_tokens", *fam("max_total_num_tokens"), split)
-    put(ps, "used_tokens", *fam("kv_used_tokens"), split)
-    put(ps, "evictable_tokens", *fam("kv_evictable_tokens"), split)
-    put(ps, "available_tokens", *fam("kv_available_tokens"), split)
+    _pools(expo, ps, split)
+    binding = ps.binding_pool
+    state = "kv" if binding is None or binding.kind == "full" else binding.kind
+    put(ps, "used_tokens", *fam(state + "_used_tokens"), split)
+    put(ps, "evictable_tokens", *fam(state + "_evictable_tokens"), split)
+    put(ps, "available_tokens", *fam(state + "_available_tokens"), split)
     if ps.used_tokens is None:
         put(ps, "used_tokens", *fam("num_used_tokens"), split, note="total - available - evictable")
     # The fallback is for versions without the gauge; a gauge that was refused stays refused.
@@ -139,19 +184,105 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
             Provenance(P + "num_used_tokens / " + P + "token_usage", True, "inherits the 2-decimal rounding"),
         )
     put(ps, "running", *fam("num_running_reqs"), split)
-    put(ps, "waiting", *fam("num_queue_reqs"), split)
+    _queues(expo, ps, split)
     put(ps, "decode_reserve_ratio", *fam("new_token_ratio"), split)
     _evictions(expo, ps, split)
+    _recompute(expo, ps, split)
     _prefix(expo, ps, split)
     put(ps, "prompt_tokens_total", *fam("prompt_tokens"), split, suffix="_total", sum_over=_STREAM)
     put(ps, "generation_tokens_total", *fam("generation_tokens"), split, suffix="_total", sum_over=_STREAM)
     put(ps, "requests_total", *fam("num_requests"), split, suffix="_total", sum_over=_STREAM)
     put(ps, "l2_used_tokens", *fam("hicache_host_used_tokens"), split)
     put(ps, "l2_capacity_tokens", *fam("hicache_host_total_tokens"), split)
+    put(ps, "l2_load_bytes_total", *fam("load_back_bytes"), split, suffix="_total")
+    put(ps, "l2_store_bytes_total", *fam("hicache_backup_bytes"), split, suffix="_total")
+    put(ps, "l2_dropped_tokens_total", *fam("hicache_dropped_tokens"), split, suffix="_total", sum_over=("reason", "pool"))
+    if put(ps, "l3_hit_tokens_total", *fam("storage_prefetch_hit_tokens"), split, suffix="_total") is None:
+        put(ps, "l3_hit_tokens_total", *fam("prefill_effective_tokens"), split, suffix="_total", select={"mode": "storage_hit"})
+    if ps.l2_capacity_tokens is not None or any((getattr(ps, f) or 0) > 0 for f in ("l2_load_bytes_total", "l2_store_bytes_total")):
+        ps.l2_tier = "HiCache host-memory tier"
     put_histogram(ps, "ttft", *fam("time_to_first_token_seconds"), split, sum_over=_STREAM)
     put_histogram(ps, "queue_time", *fam("queue_time_seconds"), split, sum_over=_STREAM)
     ps.check_parts()
     return ps
+
+
+def _role(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """The scheduler's ``engine_type`` label; where it is missing, a PD queue that holds work."""
+    fam = expo.get(P + "num_running_reqs") or expo.get(P + "num_queue_reqs")
+    types = {s.labels.get("engine_type") for s in members(fam, split, "")} if fam is not None else set()
+    types.discard(None)
+    if len(types) == 1:
+        (role,) = types
+        if role in ("prefill", "decode", "unified"):
+            ps.role = role  # type: ignore[assignment]
+            ps.provenance["role"] = Provenance(P + "num_running_reqs{engine_type}")
+            return
+    busy = {r for names, _, _, r in QUEUES if r for n in names if (value(expo.get(n), split) or 0) > 0}
+    if len(busy) == 1:
+        ps.role = busy.pop()  # type: ignore[assignment]
+        ps.provenance["role"] = Provenance(P + "num_*_queue_reqs", True, "no engine_type label; its PD queues hold work")
+
+
+def _queues(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """Every queue the scheduler reports (``QUEUES``); waiting is the capacity and deferred ones.
+
+    PD queues are exported as 0 outside their role, so they are listed only on their role (or
+    where they hold work) but always added: the sum is the same either way, as in the rules."""
+    _role(expo, ps, split)
+    queues, found = [], False
+    for names, title, kind, role in QUEUES:
+        name, fam = first(expo, *names)
+        v = value(fam, split) if fam is not None else None
+        if v is None or math.isnan(v):
+            continue
+        if role is not None:
+            found = True
+        if role is None or role == ps.role or v > 0:
+            queues.append(Queue(title, kind, v, name or ""))
+    ps.queues = tuple(queues)
+    waiting = [q for q in queues if q.kind != "in_flight"]
+    main = next((q for q in queues if q.metric == P + "num_queue_reqs"), None)
+    if main is None:
+        return
+    src = Provenance(P + "num_queue_reqs" + (" + PD queues" if len(waiting) > 1 else ""), len(waiting) > 1)
+    ps.set("waiting", sum(q.requests for q in waiting), src)
+    if found:
+        for field, kind in (("waiting_capacity", "capacity"), ("waiting_deferred", "deferred"), ("transfers_in_flight", "in_flight")):
+            ps.set(field, sum(q.requests for q in queues if q.kind == kind), Provenance(P + f"num_*_queue_reqs ({kind})", True))
+
+
+def _pools(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """Each pool of a hybrid model: full attention, and the sliding-window or Mamba pool where
+    the model has one (its capacity or a figure above 0; the gauges read 0 otherwise)."""
+    pools = []
+    for kind, usage_name, cap_name in (("full", "full_token_usage", "max_total_num_tokens"),
+                                       ("swa", "swa_token_usage", "max_total_num_tokens_swa"),
+                                       ("mamba", "mamba_usage", None)):
+        prefix = "kv" if kind == "full" else kind
+        states = {st: value(expo.get(P + f"{prefix}_{st}_tokens"), split) for st in ("used", "evictable", "available")}
+        usage = value(expo.get(P + usage_name), split)
+        cap = value(expo.get(P + cap_name), split) if cap_name else None
+        if cap is None and all(v is not None for v in states.values()):
+            cap = sum(states.values())  # type: ignore[arg-type]
+        if usage is None or math.isnan(usage):
+            continue
+        if kind != "full" and not (usage > 0 or (cap or 0) > 0):
+            continue
+        unit = "states" if kind == "mamba" else "tokens"
+        pools.append(Pool(kind, usage, states["used"], states["evictable"], states["available"], cap, unit, P + usage_name))
+    if len(pools) > 1:
+        ps.pools = tuple(pools)
+
+
+def _recompute(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """Tokens retraction threw away (input + output), from the two counters (0.5.7+)."""
+    parts = [value(expo.get(P + f"num_retracted_{k}_tokens"), split, "_total") for k in ("input", "output")]
+    if any(v is not None for v in parts):
+        ps.set("recompute_tokens_total", sum(v for v in parts if v is not None),
+               Provenance(P + "num_retracted_input_tokens_total + " + P + "num_retracted_output_tokens_total", True))
+    elif ps.provenance.get("evictions_total") is not None and ps.provenance["evictions_total"].derived:
+        ps.set("recompute_tokens_total", 0.0, Provenance(P + "num_retracted_input_tokens_total", True, "not created until the first retraction; none yet"))
 
 
 def _evictions(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
@@ -179,6 +310,7 @@ def _evictions(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
             "sglang:num_retracted_reqs, which cannot be rated; SGLang >= 0.5.7 has the counter"
         )
     put(ps, "last_eviction_event", P + "num_retracted_reqs", expo.get(P + "num_retracted_reqs"), split)
+    record_writers(ps, "last_eviction_event", expo.get(P + "num_retracted_reqs"), split)
 
 
 def _prefix(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:

@@ -10,17 +10,46 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
   (0.8.x counted blocks, the ratio still holds), V0 only a ``gpu_prefix_cache_hit_rate`` gauge;
 - the evictable share is not exported by any version;
 - ``engine`` is the data-parallel engine index (0.8+); multiprocess servers add ``pid`` to
-  gauges left in "all" mode (``kv_cache_usage_perc`` in 0.9.2-0.11).
+  gauges left in "all" mode (``kv_cache_usage_perc`` in 0.9.2-0.11): read as the most recent
+  writer by the window, not the max;
+- ``num_requests_waiting`` is waiting + deferred; ``num_requests_waiting_by_reason`` (0.20+)
+  splits it into capacity (waiting for scheduling room) and deferred (its KV transfer, a LoRA
+  slot, blocked); ``num_requests_kv_fetch_by_stage`` (0.33) exists only where the KV connector
+  consumes KV (a PD decode instance, or a kv_both connector), so it is the role where no local
+  KV tier (offloading, LMCache) is configured;
+- recompute: ``request_num_preemptions`` histogram (0.30+, per finished request) and
+  ``admission_rejections_total{reason}`` (0.33, no ``engine`` label: server-wide);
+- L2: native CPU offloading exports traffic (``kv_offload_{load,store}_bytes``; 
+  ``kv_offload_cpu_cache_usage_perc`` is the share pinned by transfers, not occupancy) and hits
+  by source (``prompt_tokens_cached_by_source{source="host"}``, ``"disk"`` for L3); LMCache
+  exports its own ``lmcache:*`` series (hits, requested tokens; no capacity), which join the vLLM
+  instance by model name where they share its /metrics (multiprocess mode).
 """
 
 from __future__ import annotations
 
-from kvdiag.engines.base import Instance, Knobs, first, members, instance_key, model_name, put, put_histogram, split_values
+from kvdiag.engines.base import (
+    Instance,
+    Knobs,
+    first,
+    instance_key,
+    members,
+    model_name,
+    put,
+    put_histogram,
+    record_writers,
+    split_values,
+    value,
+)
 from kvdiag.exposition import Exposition, Family
-from kvdiag.model import PoolSample, Provenance
+from kvdiag.model import KIND_ORDER, PoolSample, Provenance, Queue
 
 NAME = "vllm"
 P = "vllm:"
+LMCACHE = "lmcache:"
+
+#: The KV-fetch stages of a consumer's connector, as the engine names them.
+FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
 
 SIGNATURE = (
     P + "num_requests_running",
@@ -46,7 +75,15 @@ WANTED = SIGNATURE + (
     P + "time_to_first_token_seconds",
     P + "request_queue_time_seconds",
     P + "time_in_queue_requests",
-)
+    P + "num_requests_waiting_by_reason",
+    P + "num_requests_kv_fetch_by_stage",
+    P + "request_num_preemptions",
+    P + "admission_rejections",
+    P + "kv_offload_load_bytes",
+    P + "kv_offload_store_bytes",
+    P + "kv_offload_total_bytes",
+    P + "kv_offload_config_info",
+) + tuple(LMCACHE + n for n in ("num_hit_tokens", "num_requested_tokens", "local_cache_usage"))
 
 KNOBS = Knobs(
     admission_limit="--max-num-seqs",
@@ -91,6 +128,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
     usage_name, usage_fam = first(expo, P + "kv_cache_usage_perc", P + "gpu_cache_usage_perc")
     if put(ps, "usage_ratio", usage_name, usage_fam, split, note="fraction 0-1; evictable cached blocks count as free") is not None:
         ps.usage_granularity = "block"
+        record_writers(ps, "usage_ratio", usage_fam, split)
     _capacity(expo, ps, split, n_engines)
     if ps.usage_ratio is not None and ps.capacity_tokens is not None:
         ps.set(
@@ -99,20 +137,80 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
             Provenance(f"{usage_name} x capacity", True, "block granularity; evictable and free are not reported apart"),
         )
     put(ps, "running", P + "num_requests_running", expo.get(P + "num_requests_running"), split)
-    put(ps, "waiting", P + "num_requests_waiting", expo.get(P + "num_requests_waiting"), split)
+    put(ps, "waiting", P + "num_requests_waiting", expo.get(P + "num_requests_waiting"), split, note="waiting + deferred")
+    _queues(expo, ps, split)
     put(ps, "evictions_total", P + "num_preemptions", expo.get(P + "num_preemptions"), split, suffix="_total", note="preemptions (recompute)")
+    put_histogram(ps, "preemptions_per_request", P + "request_num_preemptions", expo.get(P + "request_num_preemptions"), split)
+    put(ps, "admission_rejections_total", P + "admission_rejections", expo.get(P + "admission_rejections"), split,
+        suffix="_total", sum_over=("reason",))
     _prefix(expo, ps, split)
     put(ps, "prompt_tokens_total", P + "prompt_tokens", expo.get(P + "prompt_tokens"), split, suffix="_total")
     put(ps, "generation_tokens_total", P + "generation_tokens", expo.get(P + "generation_tokens"), split, suffix="_total")
     put(ps, "requests_total", P + "request_success", expo.get(P + "request_success"), split, suffix="_total", sum_over=("finished_reason",))
     put(ps, "external_hit_tokens_total", P + "external_prefix_cache_hits", expo.get(P + "external_prefix_cache_hits"), split, suffix="_total")
     put(ps, "external_query_tokens_total", P + "external_prefix_cache_queries", expo.get(P + "external_prefix_cache_queries"), split, suffix="_total")
-    put(ps, "l2_hit_tokens_total", P + "prompt_tokens_cached_by_source", expo.get(P + "prompt_tokens_cached_by_source"), split, suffix="_total", select={"source": "host"})
+    _tiers(expo, ps, split)
     put_histogram(ps, "ttft", P + "time_to_first_token_seconds", expo.get(P + "time_to_first_token_seconds"), split)
     qname, qfam = first(expo, P + "request_queue_time_seconds", P + "time_in_queue_requests")
     put_histogram(ps, "queue_time", qname, qfam, split)
     ps.check_parts()
     return ps
+
+
+def _queues(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """Waiting by reason (capacity vs deferred) and the KV-fetch stages, where exported; the
+    fetch gauge exists only on a KV consumer, which is the role (decode) where no local tier is."""
+    reasons, fetch = expo.get(P + "num_requests_waiting_by_reason"), expo.get(P + "num_requests_kv_fetch_by_stage")
+    queues = []
+    if fetch is not None and members(fetch, split, ""):
+        stages = [(st, value(fetch, split, select={"stage": st})) for st in FETCH_STAGES]
+        for st, v in stages:
+            if v is not None:
+                queues.append(Queue(f"KV fetch {st.replace('_', ' ')}", "in_flight", v, P + f'num_requests_kv_fetch_by_stage{{stage="{st}"}}'))
+        ps.set("transfers_in_flight", sum(v for _, v in stages if v is not None), Provenance(P + "num_requests_kv_fetch_by_stage (sum over stage)", True))
+        local_tier = any(expo.get(n) is not None for n in (P + "kv_offload_load_bytes", P + "kv_offload_total_bytes", LMCACHE + "num_hit_tokens"))
+        if not local_tier:
+            ps.role = "decode"
+            ps.provenance["role"] = Provenance(P + "num_requests_kv_fetch_by_stage", True, "registered only where the KV connector consumes KV")
+    deferred = "deferred (waiting for their KV transfer)" if ps.role == "decode" else "deferred (their KV transfer, a LoRA slot, or blocked)"
+    for field, reason, title in (("waiting_capacity", "capacity", "waiting for scheduling capacity"), ("waiting_deferred", "deferred", deferred)):
+        v = put(ps, field, P + "num_requests_waiting_by_reason", reasons, split, select={"reason": reason})
+        if v is not None:
+            queues.append(Queue(title, reason, v, P + f'num_requests_waiting_by_reason{{reason="{reason}"}}'))  # type: ignore[arg-type]
+    ps.queues = tuple(sorted(queues, key=lambda q: KIND_ORDER[q.kind]))
+
+
+def _tiers(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
+    """L2 and L3 below the GPU pool: native CPU offloading (traffic, host hits), LMCache's own
+    series on the same /metrics (hits over its own lookups, joined by model name), disk hits."""
+    cached = expo.get(P + "prompt_tokens_cached_by_source")
+    put(ps, "l2_hit_tokens_total", P + "prompt_tokens_cached_by_source", cached, split, suffix="_total", select={"source": "host"})
+    put(ps, "l3_hit_tokens_total", P + "prompt_tokens_cached_by_source", cached, split, suffix="_total", select={"source": "disk"})
+    load = put(ps, "l2_load_bytes_total", P + "kv_offload_load_bytes", expo.get(P + "kv_offload_load_bytes"), split, suffix="_total")
+    store = put(ps, "l2_store_bytes_total", P + "kv_offload_store_bytes", expo.get(P + "kv_offload_store_bytes"), split, suffix="_total")
+    legacy = expo.get(P + "kv_offload_total_bytes")
+    if load is None and store is None and legacy is not None:
+        put(ps, "l2_load_bytes_total", P + "kv_offload_total_bytes", legacy, split, suffix="_total", select={"transfer_type": "CPU_to_GPU"})
+        put(ps, "l2_store_bytes_total", P + "kv_offload_total_bytes", legacy, split, suffix="_total", select={"transfer_type": "GPU_to_CPU"})
+    if ps.l2_load_bytes_total is not None or ps.l2_store_bytes_total is not None:
+        ps.l2_tier = "vLLM CPU offloading"
+    _lmcache(expo, ps)
+
+
+def _lmcache(expo: Exposition, ps: PoolSample) -> None:
+    """LMCache's hits and lookups for this instance's model (``served_model_name``, else
+    ``model_name``); its workers (one per TP rank) count the same tokens, so the max is taken."""
+    hits = expo.get(LMCACHE + "num_hit_tokens")
+    if hits is None or ps.model is None:
+        return
+    for label in ("served_model_name", "model_name"):
+        select = {label: ps.model}
+        h = put(ps, "l2_hit_tokens_total", LMCACHE + "num_hit_tokens", hits, {}, suffix="_total", select=select, note="LMCache retrieve hits")
+        if h is not None:
+            put(ps, "l2_query_tokens_total", LMCACHE + "num_requested_tokens", expo.get(LMCACHE + "num_requested_tokens"), {},
+                suffix="_total", select=select, note="LMCache retrieve requests")
+            ps.l2_tier = "LMCache"
+            return
 
 
 def _label_number(fam: Family, split: dict[str, str], label: str) -> float | None:

@@ -72,6 +72,18 @@ def _part_ratio(part: str, whole: str, w: str) -> str:
     return f"(rate({kept_part}) / rate({kept_whole})) unless ({outgrew})"
 
 
+def latest_writer(lbl: Labels, family: str, w: str) -> str:
+    """A gauge written per process (a ``pid`` label, no multiprocess mode) read as the process
+    whose value changed most recently (``kvdiag.window.resolve_writers``): per pid, the last
+    scrape in the window where ``idelta`` saw a change; the newest wins, ties take the max; where
+    no process changed in the window, the max over processes (ambiguous, as in Python)."""
+    series = sel(family)
+    changed = f"max_over_time((timestamp({series}) and (idelta({series}[{w}]) != 0))[{w}:])"
+    by = lbl.by()
+    newest = f"{changed} == on ({', '.join(lbl.key)}) group_left () (max {by} ({changed}))"
+    return first(f"max {by} ({series} and on ({', '.join(lbl.key)}, pid) ({newest}))", gauge(lbl, family))
+
+
 def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     """Every normalization rule, in dependency order (Prometheus evaluates a group in order)."""
     w = config.promql_params()["window"]
@@ -92,10 +104,22 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
 
     usage = add("instance:kvdiag_kv_usage:ratio", first(
         gauge(lbl, S + "token_usage"),
-        gauge(lbl, V + "kv_cache_usage_perc"),
-        gauge(lbl, V + "gpu_cache_usage_perc"),
+        latest_writer(lbl, V + "kv_cache_usage_perc", w),
+        latest_writer(lbl, V + "gpu_cache_usage_perc", w),
     ))
-    add("instance:kvdiag_waiting:requests", first(gauge(lbl, S + "num_queue_reqs"), gauge(lbl, V + "num_requests_waiting")))
+    # Every queued request of the role: SGLang's waiting queue plus the PD queues (exported as 0
+    # outside their role, so adding them all is the role's sum; a prefill's inflight queue is
+    # prefilled work, not waiting); vLLM's gauge already holds waiting + deferred.
+    main_queue = gauge(lbl, S + "num_queue_reqs")
+    pd_queues = [
+        first(*(gauge(lbl, name) for name in names))
+        for names, _, kind, role in sglang.QUEUES
+        if role is not None and kind != "in_flight"
+    ]
+    add("instance:kvdiag_waiting:requests", first(
+        " + ".join([main_queue] + [f"({q}\nor 0 * {main_queue})" for q in pd_queues]),
+        gauge(lbl, V + "num_requests_waiting"),
+    ))
     add("instance:kvdiag_running:requests", first(gauge(lbl, S + "num_running_reqs"), gauge(lbl, V + "num_requests_running")))
 
     # Evictions. SGLang's counter is only created at the first retraction (multiprocess
@@ -154,12 +178,34 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     # is the share pinned by transfers).
     add("instance:kvdiag_l2_usage:ratio", f"{gauge(lbl, S + 'hicache_host_used_tokens')} / {gauge(lbl, S + 'hicache_host_total_tokens')}")
     vllm_host = counter_rate(lbl, V + "prompt_tokens_cached_by_source", w, 'source="host"')
+    # LMCache's own series (no engine label) join the vLLM server by its served model name.
+    lmc = vllm.LMCACHE
+
+    def lmcache_rate(family: str) -> str:
+        by = "by (" + ", ".join(lbl.server) + ")"
+        return (f'max {by} (label_replace(rate({sel(lmc + family, "_total")}[{w}]), '
+                f'"{lbl.model}", "$1", "served_model_name", "(.+)"))')
+
     add("instance:kvdiag_l2_hit:share{window}", first(
+        broadcast(lbl, f"{lmcache_rate('num_hit_tokens')} / {lmcache_rate('num_requested_tokens')}"),
         f"{eff_host} / {eff_all}",
         broadcast(lbl, f"{counter_rate(lbl, cached, w, host, STREAM)} / {prompt}"),
         f"{vllm_host}"
         f" / ({first(counter_rate(lbl, V + 'prefix_cache_queries', w), counter_rate(lbl, V + 'gpu_prefix_cache_queries', w))})",
     ))
+
+    # L2 traffic: SGLang HiCache load-back / backup bytes (radix-cache series: no model label),
+    # vLLM offloading's load / store bytes, else the deprecated total_bytes by transfer_type.
+    split_by = "by (" + ", ".join(lbl.target + lbl.split) + ")"
+    for name, sglang_family, vllm_family, legacy in (
+        ("instance:kvdiag_l2_load_bytes:rate{window}", "load_back_bytes", "kv_offload_load_bytes", "CPU_to_GPU"),
+        ("instance:kvdiag_l2_store_bytes:rate{window}", "hicache_backup_bytes", "kv_offload_store_bytes", "GPU_to_CPU"),
+    ):
+        add(name, first(
+            with_model(lbl, f"max {split_by} (rate({sel(S + sglang_family, '_total')}[{w}]))"),
+            counter_rate(lbl, V + vllm_family, w),
+            counter_rate(lbl, V + "kv_offload_total_bytes", w, f'transfer_type="{legacy}"'),
+        ))
 
     # Capacity in tokens. SGLang: max_total_num_tokens (0.5.6+), else num_used / token_usage.
     # vLLM: cache_config_info labels: kv_cache_size_tokens per engine (~0.25+), else

@@ -18,10 +18,10 @@ from typing import Callable
 import numpy as np
 
 from kvdiag.checks.catalog import CHECKS
-from kvdiag.model import NUMERIC_FIELDS, Histogram, PoolSample
-from kvdiag.window import Window
+from kvdiag.model import HISTOGRAM_FIELDS, NUMERIC_FIELDS, Histogram, PoolSample
+from kvdiag.window import Window, resolve_writers
 
-_HISTOGRAMS = {f.name for f in fields(PoolSample) if f.name in ("ttft", "queue_time")}
+_HISTOGRAMS = {f.name for f in fields(PoolSample) if f.name in HISTOGRAM_FIELDS}
 #: The histogram fields some check reads; the others are not kept (each costs ~25 columns).
 CHECKED_HISTOGRAMS = tuple(dict.fromkeys(f for c in CHECKS for f in c.needs if f in _HISTOGRAMS))
 
@@ -71,6 +71,8 @@ class Ring:
 
     def append(self, sample: PoolSample) -> None:
         with self.lock:
+            if sample.writers:  # per-process gauges: the most recent writer, against the last scrape
+                resolve_writers(self.latest, sample)
             row = self.appended % self.capacity
             self.ts[row] = sample.ts
             for name in NUMERIC_FIELDS:

@@ -95,7 +95,8 @@ def test_every_remedy_renders_with_and_without_figures(engine: str) -> None:
     from dataclasses import asdict
 
     knobs = asdict(engines.knobs(engine))
-    figs = dict(pool_tokens=1, avg_len=1, ceiling=1, running_peak=1, fp8_pool_tokens=1, fp8_ceiling=1, double_ceiling=1, unknown_hints="x")
+    figs = dict(pool_tokens=1, shared_tokens=1, private_len=1, ceiling=1, running_peak=1, running_note="; x", limit=1,
+                limit_reason="x", fp8_pool_tokens=1, fp8_ceiling=1, double_ceiling=1, unknown_hints="x")
     for r in catalog.REMEDIES.values():
         assert "{" not in r.text.format(**figs, **knobs, enable_hint="h")
         assert "{" not in r.plain.format(**knobs, enable_hint="h")
@@ -115,7 +116,8 @@ def test_series_names_follow_the_recording_rule_convention() -> None:
     for name, s in catalog.SERIES.items():
         level, metric, ops = name.split(":")
         assert level == "instance" and metric.startswith("kvdiag_") and ops
-        assert s.field in {"usage_ratio", "waiting", "running", "evictions_total", "ttft", "prefix_hit_tokens_total", "l2_used_tokens", "l2_hit_tokens_total"}
+        assert s.field in {"usage_ratio", "waiting", "running", "evictions_total", "ttft", "prefix_hit_tokens_total", "l2_used_tokens", "l2_hit_tokens_total",
+                           "l2_load_bytes_total", "l2_store_bytes_total"}
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
