@@ -186,26 +186,31 @@ class PDDecode(_Wrapped):
             self.transferred_tokens_total += len(job.req.prompt)
             self.inner.add_request(job.req)
 
-    def _room(self) -> tuple[int, int]:
-        """(free slots after what is preallocated, slots the next request needs per token
-        granularity): SGLang keeps a decode reserve per request; vLLM counts blocks."""
+    def _room(self) -> tuple[int, int, int]:
+        """(free slots after what is preallocated, allocation granularity, room a request needs
+        beyond its slots). SGLang (``DecodePreallocQueue._allocatable_token_budgets``@0.5.23)
+        keeps ``num_reserved_decode_tokens`` per running, transferring and waiting request out
+        of the free slots and admits a request only if its slots plus one such reserve fit;
+        vLLM allocates the blocks of the prompt from its free blocks. Cached evictable slots
+        count as free: without a decode radix cache (SGLang's default) they would be."""
         st = self.inner.stats()  # type: ignore[attr-defined]
         if self.engine == "sglang":
             requests = st.num_running_reqs + st.num_queue_reqs + len(self.inflight)
-            return st.kv_available_tokens + st.kv_evictable_tokens - self.reserved - RESERVED_DECODE_TOKENS * requests, 1
-        return st.num_free_blocks * st.block_size - self.reserved, st.block_size
+            free = st.kv_available_tokens + st.kv_evictable_tokens - self.reserved - RESERVED_DECODE_TOKENS * requests
+            return free, 1, RESERVED_DECODE_TOKENS
+        return st.num_free_blocks * st.block_size - self.reserved, st.block_size, 0
 
     def _preallocate(self, now: float) -> None:
-        room, grain = self._room()
+        room, grain, reserve = self._room()
         self.refused = False
         while self.prealloc:
             req = self.prealloc[0]
             need = math.ceil((len(req.prompt) + 1) / grain) * grain
-            if need > room:
+            if need + reserve > room:
                 self.refused = True
                 return
             self.prealloc.popleft()
-            room -= need
+            room -= need + reserve  # the next request also keeps this one's decode reserve
             self.reserved += need
             start = max(now, self.prefill_free_at)
             end = self.prefill_free_at = start + self.prefill_seconds(len(req.prompt))

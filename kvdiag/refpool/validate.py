@@ -369,8 +369,14 @@ def _first(timeline: list[tuple[float, str]], names: Iterable[str]) -> float | N
 
 def run_one(scenario: Scenario, engine: str, config: Config, interval: float = 5.0) -> list[Result]:
     """One scenario on one engine: a Result per DP instance, in DP rank order."""
+    return score_run(ScenarioRun(scenario, engine), config, interval)
+
+
+def score_run(run: ScenarioRun, config: Config, interval: float = 5.0) -> list[Result]:
+    """``run_one`` on a fresh ``run``, which is left at the scenario's end for the caller to
+    inspect (what it serves, what its simulations know)."""
     t0 = time.perf_counter()
-    run = ScenarioRun(scenario, engine)
+    scenario, engine = run.scenario, run.engine
     by_instance: dict[str, list[PoolSample]] = {}
     for _, scrape in run.scrapes(interval):
         for s in normalize_scrape(scrape, engine):

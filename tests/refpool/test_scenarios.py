@@ -141,7 +141,7 @@ def test_every_scenario_is_runnable_and_its_pool_is_the_capacity_commands() -> N
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvdiag.refpool.scenarios import DEPLOYMENTS  # noqa: E402
-from kvdiag.refpool.validate import L1_VERDICTS, Result, run_one  # noqa: E402
+from kvdiag.refpool.validate import L1_VERDICTS, Result, score_run  # noqa: E402
 
 
 def _families(text: str) -> dict[str, list]:
@@ -156,21 +156,26 @@ def _one(samples: dict[str, list], name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def deployment_runs() -> dict[tuple[str, str], ScenarioRun]:
-    """Every deployment story on each engine it exists for, run to its end (about 20 s)."""
-    runs = {}
+def deployment_scored() -> dict[tuple[str, str], tuple[ScenarioRun, Result]]:
+    """Every deployment story on each engine it exists for, scored by validate and left at its
+    end (five runs, about 20 s on 2 cores)."""
+    out = {}
     for name, sc in DEPLOYMENTS.items():
         for engine in sc.engines:
             run = ScenarioRun(sc, engine)
-            run.advance(sc.duration)
-            runs[name, engine] = run
-    return runs
+            (result,) = score_run(run, Config())
+            out[name, engine] = run, result
+    return out
 
 
 @pytest.fixture(scope="module")
-def deployment_results() -> dict[tuple[str, str], Result]:
-    """validate's scoring of every deployment story (about 20 s)."""
-    return {(name, engine): run_one(sc, engine, Config())[0] for name, sc in DEPLOYMENTS.items() for engine in sc.engines}
+def deployment_runs(deployment_scored: dict) -> dict[tuple[str, str], ScenarioRun]:
+    return {k: run for k, (run, _) in deployment_scored.items()}
+
+
+@pytest.fixture(scope="module")
+def deployment_results(deployment_scored: dict) -> dict[tuple[str, str], Result]:
+    return {k: result for k, (_, result) in deployment_scored.items()}
 
 
 def test_deployment_stories_are_told_and_scored(deployment_results: dict[tuple[str, str], Result]) -> None:
