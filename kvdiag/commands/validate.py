@@ -7,8 +7,10 @@ the engine at that instant (``kvdiag.refpool.validate``): instants right, mislea
 away from a pool that limits) and false alarms (naming L1 while it does not), the first instant
 L1 is named against the onset and the SLO breach, and the final verdict. Runs go to worker
 processes, one per core; a progress bar on a terminal, one plain line per run when piped.
+With the whole catalogue (or ``--whatif``), the what-if pairs run too (``kvdiag.whatif.pairs``:
+a remedy predicted from a scenario's metrics against the scenario run with it).
 Exit 0 when every final verdict and every scored instant is right (so no misleading and no
-false-alarm instant), 1 otherwise, 3 on a usage error.
+false-alarm instant) and every what-if pair run is within its goal, 1 otherwise, 3 on a usage error.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvdiag.refpool.scenarios import CATALOGUE, ENGINES, SCENARIOS, get
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.validate import GRACE_S, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, validate
 from kvdiag.report.json import dumps
+from kvdiag.whatif import pairs as whatif_pairs
 
 EXIT_ERROR = 3
 
@@ -46,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print the JSON scores only")
+    p.add_argument("--whatif", action=argparse.BooleanOptionalAction,
+                   help="also run the what-if pairs (kvdiag.whatif.pairs) of the scenarios and engines selected "
+                   "(default: only when no --scenario is given)")  # fmt: skip
     return p
 
 
@@ -78,11 +84,17 @@ def run(args: argparse.Namespace) -> int:
             report = validate(scenarios, engines, config, args.interval, jobs, tick)
     else:
         report = validate(scenarios, engines, config, args.interval, jobs, _plain(total))
+    wanted = args.whatif if args.whatif is not None else not args.scenario
+    pairs = whatif_pairs.validate_pairs(whatif_pairs.select(args.scenario, args.engine), config, args.interval, jobs,
+                                        whatif_pairs.progress_lines()) if wanted else []  # fmt: skip
     if args.json:
-        print(dumps(report.as_json(), indent=2))
+        print(dumps(report.as_json() | ({"whatif": [p.as_json() for p in pairs]} if wanted else {}), indent=2))
     else:
-        render(Console(width=None if sys.stdout.isatty() else 200), report)
-    return 0 if report.ok else 1
+        console = Console(width=None if sys.stdout.isatty() else 200)
+        render(console, report)
+        if pairs:
+            whatif_pairs.render(console, pairs)
+    return 0 if report.ok and all(p.ok for p in pairs) else 1
 
 
 def _outcome(results: list[Result]) -> str:

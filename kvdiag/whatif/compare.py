@@ -76,10 +76,13 @@ class Errors:
                 "problems": self.problems}  # fmt: skip
 
 
-def errors(reference: Outcome, replayed: Outcome) -> Errors:
+def errors(reference: Outcome, replayed: Outcome, exact: bool = False) -> Errors:
+    """``replayed`` against ``reference``; ``exact``: P99 TTFT from both sides' simulated
+    requests (two replays), else from their histograms (a replay against an engine's metrics)."""
+    p99 = "p99_ttft_sim" if exact else "p99_ttft"
     usage = None if reference.usage is None or replayed.usage is None else replayed.usage - reference.usage
     return Errors(
-        p99_ttft=relative(reference.p99_ttft, replayed.p99_ttft, FLOORS["p99_ttft"]),
+        p99_ttft=relative(getattr(reference, p99), getattr(replayed, p99), FLOORS["p99_ttft"]),
         mean_ttft=relative(reference.mean_ttft, replayed.mean_ttft, FLOORS["mean_ttft"]),
         usage=usage,
         waiting=relative(reference.waiting, replayed.waiting, FLOORS["waiting"]),

@@ -5,7 +5,7 @@ What the series give, and what becomes of it:
 * **arrivals**: requests that finished in each scrape interval (the request counter's reset-safe
   increase) plus the change in requests in the engine (running + waiting), bucketed and replayed
   as Poisson arrivals at each bucket's rate (``StepRate``); the requests in flight at the
-  window's start arrive in its first bucket;
+  window's first sample arrive in the scrape interval before it (``Fit.scenario``);
 * **lengths**: prompt and generated tokens per finished request (the token counters over the
   request counter). The adapters expose no length histograms, so only the means are read; the
   spread is assumed (log-normal, the catalogue's chat load's sigmas) and said so;
@@ -38,12 +38,17 @@ from kvdiag.window import Window, counter_step
 #: Assumed spread of prompt and output lengths (log-normal sigma): the catalogue's chat load.
 PROMPT_SIGMA = 0.4
 OUTPUT_SIGMA = 0.5
+#: Assumed longest request, as a multiple of the median length (the chat load's clip).
+LENGTH_CLIP = 4.0
 #: Assumed number of distinct shared prefixes (system prompts) behind the hit ratio.
 PREFIX_GROUPS = 4
 #: Hit ratios below this are replayed as no sharing.
 MIN_SHARE = 0.02
-#: At most this many arrival-rate buckets over the window (each at least one scrape interval).
+#: At most this many arrival-rate buckets over the window, each at least one scrape interval
+#: and ``MIN_BUCKET_S`` long: a bucket's count carries its own Poisson noise, which the replay's
+#: Poisson draw would add to again (a 5 s bucket at 14 req/s is 70 +- 8 requests).
 MAX_BUCKETS = 240
+MIN_BUCKET_S = 15.0
 #: A running count pinned at its peak in at least this share of the samples where requests
 #: waited with the pool under ``CAP_USAGE`` reads as the engine's admission cap.
 CAP_SHARE = 0.5
@@ -116,7 +121,8 @@ class Fit:
 
     @property
     def rate(self) -> float:
-        return self.arrivals.total / self.duration if self.duration > 0 else 0.0
+        """Mean arrivals per second over the replay (the requests in flight at the start included)."""
+        return self.arrivals.total / self.arrivals.edges[-1]
 
     @property
     def assumed(self) -> list[Knob]:
@@ -129,9 +135,12 @@ class Fit:
                         prefix=prefix, seed=seed)  # fmt: skip
 
     def scenario(self, seed: int = 0) -> Scenario:
+        """The replay: simulated t = 0 is one scrape interval before the window's first sample
+        (the requests in flight then arrive in that interval), so the replay's scrapes, one
+        interval apart from t = ``interval``, fall where the window's samples did."""
         return Scenario(
             f"whatif:{self.instance}", f"fitted to {self.instance}'s window", ("fitted",), (self.workload(seed),),
-            duration=self.duration, max_running=self.max_running, l2_ratio=self.l2_ratio, deployment=self.deployment,
+            duration=self.duration + self.interval, max_running=self.max_running, l2_ratio=self.l2_ratio, deployment=self.deployment,
         )  # fmt: skip
 
     def as_json(self) -> dict[str, object]:
@@ -156,7 +165,7 @@ def _lengths(mean: float, sigma: float) -> LengthDist:
     if mean < 4:
         return Fixed(max(1, round(mean)))
     median = mean / math.exp(sigma**2 / 2)  # LogNormal's mean is median * exp(sigma^2 / 2)
-    return LogNormal(median, sigma, lo=1, hi=max(2, round(8 * median)))
+    return LogNormal(median, sigma, lo=1, hi=max(2, round(LENGTH_CLIP * median)))
 
 
 def fit(window: Window) -> Fit:
@@ -193,7 +202,8 @@ def fit(window: Window) -> Fit:
         knobs.append(Knob("prefix groups", str(PREFIX_GROUPS), "assumed", "the series give the hit ratio, not how many prompts share it"))
     knobs.append(Knob("lengths", f"prompt {prompt:,.0f}, output {output:,.0f} tokens per request", "read",
                       "token counters per finished request (means)"))  # fmt: skip
-    knobs.append(Knob("length spread", f"log-normal sigma {PROMPT_SIGMA} / {OUTPUT_SIGMA}", "assumed", "no length histograms are read"))
+    knobs.append(Knob("length spread", f"log-normal sigma {PROMPT_SIGMA} / {OUTPUT_SIGMA}, clipped at {LENGTH_CLIP:g}x the median",
+                      "assumed", "no length histograms are read"))  # fmt: skip
     knobs.append(Knob("max_new_tokens", "the output length", "assumed", "what clients ask for is not in the series"))
     cap, cap_note = _admission_cap(window)
     knobs.append(Knob("admission cap", str(cap) if cap else "engine default", "inferred" if cap else "assumed", cap_note))
@@ -217,13 +227,12 @@ def _arrivals(window: Window, interval: float) -> StepRate:
     finished = _steps(window.column("requests_total"))
     inflight = np.nan_to_num(window.column("running")) + np.nan_to_num(window.column("waiting"))
     per_interval = np.maximum(0.0, finished + np.diff(inflight))
-    per_interval[0] += inflight[0]  # in flight at the start: arrive in the first bucket
-    width = max(interval, float(ts[-1] - ts[0]) / MAX_BUCKETS)
-    edges, rates = [0.0], []
+    width = max(interval, MIN_BUCKET_S, float(ts[-1] - ts[0]) / MAX_BUCKETS)
+    edges, rates = [0.0, interval], [float(inflight[0]) / interval]  # in flight at the first sample: arrived before it
     count = 0.0
     for i, n in enumerate(per_interval):
         count += n
-        end = float(ts[i + 1] - ts[0])
+        end = interval + float(ts[i + 1] - ts[0])
         if end - edges[-1] >= width - 1e-9 or i == len(per_interval) - 1:
             rates.append(count / (end - edges[-1]) if end > edges[-1] else 0.0)
             edges.append(end)

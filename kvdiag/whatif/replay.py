@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,8 @@ from kvdiag.whatif.levers import Lever
 from kvdiag.window import Window, bucket_quantile
 
 CALIBRATION = "calibration"
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Outcome:
     throughput: float | None  # generated tokens per second
     verdict: str
     replicas: int = 1
+    #: P99 over the simulated requests' own TTFTs (replays only): exact, where the histogram's
+    #: P99 is interpolated inside buckets as wide as 10-20 s.
+    p99_ttft_sim: float | None = None
 
     def as_json(self) -> dict[str, object]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -79,15 +84,23 @@ def measure(windows: Sequence[Window], config: Config) -> Outcome:
     )
 
 
-def replay(scenario: Scenario, engine: str, interval: float, config: Config) -> Outcome:
-    """Run ``scenario`` on the reference ``engine``, scraped every ``interval`` simulated
-    seconds, and measure what its metrics show."""
+def emitted(scenario: Scenario, engine: str, interval: float) -> tuple[list[Window], ScenarioRun]:
+    """Run ``scenario`` on the reference ``engine`` and read its exposition back, scraped every
+    ``interval`` simulated seconds: a window per instance, in instance order, and the run."""
     run = ScenarioRun(scenario, engine)
     by_instance: dict[str, list[PoolSample]] = {}
     for _, scrape in run.scrapes(interval):
         for s in normalize_scrape(scrape, engine):
             by_instance.setdefault(s.instance, []).append(s)
-    return measure([Window(i, by_instance[i]) for i in sorted(by_instance)], config)
+    return [Window(i, by_instance[i]) for i in sorted(by_instance)], run
+
+
+def replay(scenario: Scenario, engine: str, interval: float, config: Config) -> Outcome:
+    """``measure`` of what ``scenario``'s metrics show on the reference ``engine``, with the
+    exact P99 TTFT of the requests whose first token came within the scraped span."""
+    windows, run = emitted(scenario, engine, interval)
+    ttfts = [r.ttft for sim in run.sims for r in sim.records if r.first_token is not None and r.first_token >= interval]
+    return replace(measure(windows, config), p99_ttft_sim=float(np.quantile(ttfts, 0.99)) if ttfts else None)
 
 
 @dataclass(frozen=True)
@@ -127,25 +140,27 @@ def _run(job: Job) -> Run:
         return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
 
 
-def _worker(job: Job) -> Run:
-    tune_gc()
-    return _run(job)
-
-
-def replay_all(jobs: Sequence[Job], workers: int = 1, progress: Callable[[Run], None] | None = None) -> list[Run]:
-    """Every job, ``workers`` at a time in worker processes; results in the order given,
-    ``progress(run)`` as each finishes."""
-    done: dict[int, Run] = {}
-    if workers <= 1 or len(jobs) == 1:
-        for k, job in enumerate(jobs):
-            done[k] = _run(job)
+def in_workers(fn: Callable[[T], R], items: Sequence[T], workers: int = 1, progress: Callable[[R], None] | None = None) -> list[R]:
+    """``fn`` over ``items``, ``workers`` at a time in worker processes (a module-level ``fn``;
+    each worker collects garbage as a simulation process should, ``tune_gc``), in this process
+    when one worker or one item; results in the order given, ``progress(result)`` as each
+    finishes."""
+    done: dict[int, R] = {}
+    if workers <= 1 or len(items) <= 1:
+        for k, item in enumerate(items):
+            done[k] = fn(item)
             if progress is not None:
                 progress(done[k])
     else:
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-            futures = {pool.submit(_worker, job): k for k, job in enumerate(jobs)}
+        with ProcessPoolExecutor(max_workers=min(workers, len(items)), initializer=tune_gc) as pool:
+            futures = {pool.submit(fn, item): k for k, item in enumerate(items)}
             for fut in as_completed(futures):
                 done[futures[fut]] = fut.result()
                 if progress is not None:
                     progress(done[futures[fut]])
-    return [done[k] for k in range(len(jobs))]
+    return [done[k] for k in range(len(items))]
+
+
+def replay_all(jobs: Sequence[Job], workers: int = 1, progress: Callable[[Run], None] | None = None) -> list[Run]:
+    """Every job (``in_workers``)."""
+    return in_workers(_run, jobs, workers, progress)
