@@ -142,6 +142,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvdiag.refpool.scenarios import DEPLOYMENTS  # noqa: E402
 from kvdiag.refpool.validate import L1_VERDICTS, Result, score_run  # noqa: E402
+from kvdiag.model import Scrape  # noqa: E402
+from kvdiag.refpool.emit import content_type  # noqa: E402
+from kvdiag.refpool.sim import EPOCH  # noqa: E402
+from tests import emitted_dialects  # noqa: E402
 
 
 def _families(text: str) -> dict[str, list]:
@@ -163,7 +167,7 @@ def deployment_scored() -> dict[tuple[str, str], tuple[ScenarioRun, Result]]:
     for name, sc in DEPLOYMENTS.items():
         for engine in sc.engines:
             run = ScenarioRun(sc, engine)
-            (result,) = score_run(run, Config())
+            (result,) = score_run(run, Config(), interval=emitted_dialects.SCRAPE_S)
             out[name, engine] = run, result
     return out
 
@@ -289,3 +293,17 @@ def test_lmcache_exporter_on_its_own_target_and_shared(deployment_runs: dict) ->
 def test_a_deployment_refuses_an_engine_it_does_not_exist_for() -> None:
     with pytest.raises(ValueError, match="exists for sglang"):
         ScenarioRun(DEPLOYMENTS["hybrid-swa"], "vllm")
+
+
+def test_saved_deployment_dialects_are_what_the_emitter_writes(deployment_runs: dict) -> None:
+    """The dialect fixtures of the deployments equal a fresh emission (rewrite them with
+    ``python -m tests.emitted_dialects``), and each reads back through kvdiag's adapters."""
+    fresh = emitted_dialects.bodies(deployment_runs)
+    saved = {p.name for p in emitted_dialects.DIR.glob("*.prom")}
+    assert saved == set(fresh), "run `python -m tests.emitted_dialects`"
+    stale = [name for name, body in fresh.items() if emitted_dialects.read(name) != body]
+    assert not stale, f"stale: {stale}; run `python -m tests.emitted_dialects`"
+    for (name, engine), run in deployment_runs.items():
+        scrape = Scrape(EPOCH + run.now, run.target, content_type(False), emitted_dialects.read(f"{name}-{engine}.prom"))
+        (sample,) = normalize_scrape(scrape, engine)
+        assert sample.usage_ratio is not None and sample.waiting is not None, (name, engine)
