@@ -49,10 +49,12 @@ MIN_SHARE = 0.02
 #: Poisson draw would add to again (a 5 s bucket at 14 req/s is 70 +- 8 requests).
 MAX_BUCKETS = 240
 MIN_BUCKET_S = 15.0
-#: A running count pinned at its peak in at least this share of the samples where requests
-#: waited with the pool under ``CAP_USAGE`` reads as the engine's admission cap.
-CAP_SHARE = 0.5
+#: A running count pinned at (within a request or 10 % of) its peak in at least ``CAP_SHARE`` of
+#: the samples where requests waited with the pool under ``CAP_USAGE``, those being at least
+#: ``CAP_SAMPLES`` of the window, reads as the engine's admission cap.
+CAP_SHARE = 0.8
 CAP_USAGE = 0.8
+CAP_SAMPLES = 0.25
 ASSUMED_MODEL = "llama-3-70b"
 TYPICAL_FRACTION = 0.9  # the engines' usual static memory fraction: the TP whose fit is nearest wins
 REFERENCE_BLOCK = 16  # the reference vLLM pool's block size
@@ -271,10 +273,11 @@ def _hit_ratio(window: Window) -> tuple[float | None, str]:
 def _admission_cap(window: Window) -> tuple[int | None, str]:
     running, waiting, usage = (window.column(f) for f in ("running", "waiting", "usage_ratio"))
     room = (waiting > 0) & (usage < CAP_USAGE)
-    if room.sum() < 3:
+    if room.sum() < max(3, CAP_SAMPLES * len(running)):
         return None, "the reference engine's default (no sign of a cap in the series)"
     peak = float(np.nanmax(running[room]))
-    if peak > 0 and (running[room] == peak).mean() >= CAP_SHARE:
+    near = running[room] >= peak - max(1.0, 0.1 * peak)  # a request that just finished is not yet replaced
+    if peak > 0 and near.mean() >= CAP_SHARE:
         return int(peak), f"running pinned at {peak:g} while requests waited and the pool had room"
     return None, "the reference engine's default (no sign of a cap in the series)"
 

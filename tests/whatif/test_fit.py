@@ -1,0 +1,93 @@
+"""The fit reads a scenario's own load back from its emitted metrics, and levers change exactly
+the knob they name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvdiag.refpool.scenarios import LLAMA70_TP2, SCENARIOS
+from kvdiag.whatif.fit import FitError, StepRate, fit
+from kvdiag.whatif.levers import Lever, LeverError, resolve, sized
+from kvdiag.window import Window
+from tests.checks.scenario import recording, window
+from tests.whatif.conftest import story
+
+
+def test_fit_reads_the_load_the_scenario_ran() -> None:
+    """noisy-healthy: Poisson 6 req/s, ~340-token prompts, ~90-token answers, no shared prefix,
+    on the catalogue's Llama-3-70B / 2 x H100 / 0.9 pool."""
+    w, run = story("noisy-healthy", "vllm", 120.0)
+    f = fit(w)
+    done = [r for r in run.sims[0].records if r.finished is not None and r.finished >= 5.0]
+    assert abs(f.rate - 6.0) / 6.0 < 0.15
+    assert abs(f.prompt_tokens - np.mean([r.prompt_tokens for r in done])) / f.prompt_tokens < 0.1
+    assert abs(f.output_tokens - np.mean([r.output_tokens for r in done])) / f.output_tokens < 0.1
+    assert f.hit_ratio is not None and f.hit_ratio < 0.02 and f.workload().prefix is None  # no sharing, none invented
+    assert f.pool_tokens == LLAMA70_TP2.pool_tokens // 16 * 16  # the pool as reported, in whole blocks
+    knobs = {k.name: k for k in f.knobs}
+    assert (knobs["TP"].value, knobs["TP"].basis, knobs["memory fraction"].value) == ("2", "inferred", "0.9")
+    assert knobs["model"].basis == "read" and knobs["GPU"].basis == "assumed"
+    assert {k.name for k in f.assumed} >= {"GPU", "KV dtype", "length spread", "admission cap"}
+    assert f.scenario().deployment.pool_tokens == f.pool_tokens  # the calibration replays the reported pool exactly
+
+
+def test_a_pinned_running_count_is_the_admission_cap() -> None:
+    """sequence-cap: max_running_requests 8 while the pool has room and requests wait."""
+    f = fit(story("sequence-cap", "sglang", 120.0)[0])
+    cap = next(k for k in f.knobs if k.name == "admission cap")
+    assert f.max_running == 8 and cap.basis == "inferred" and "pinned at 8" in cap.note
+    assert f.scenario().max_running == 8
+
+
+def test_prefix_sharing_from_the_hit_ratio() -> None:
+    f = fit(story("l1-saturation", "sglang", 90.0)[0])
+    assert f.hit_ratio is not None and 0.6 < f.hit_ratio < 0.75  # 70 % of each prompt is one of 4 system prompts
+    assert f.workload().prefix is not None and f.workload().prefix.share == pytest.approx(f.hit_ratio)
+    assert f.l2_ratio == pytest.approx(64.0, rel=0.01)  # the HiCache tier, read from its capacity series
+
+
+def test_step_rate_arrivals() -> None:
+    arrivals = StepRate((0.0, 10.0, 20.0), (5.0, 0.0))
+    times = list(arrivals.times(np.random.default_rng(0)))
+    assert all(0 <= t < 10 for t in times) and 30 < len(times) < 75  # 50 expected; none in the empty bucket, none after
+    assert arrivals.total == 50 and arrivals.scaled(0.5).total == 25
+
+
+def test_a_window_without_what_a_fit_needs_is_an_error() -> None:
+    one = window(recording("sglang", steps=1))
+    with pytest.raises(FitError, match="at least 2 samples"):
+        fit(one)
+    idle = window(recording("vllm", steps=30, requests=0))  # counters present, but no request ever finishes
+    with pytest.raises(FitError, match="no request finished"):
+        fit(idle)
+    w, _ = story("noisy-healthy", "vllm", 120.0)
+    bare = Window(w.instance, [replace(s, requests_total=None, provenance={}) for s in w.samples])
+    with pytest.raises(FitError, match="requests_total"):
+        fit(bare)
+
+
+def test_levers_change_the_knob_they_name() -> None:
+    sc = replace(SCENARIOS["noisy-healthy"], duration=60.0)
+    base = sc.deployment.pool_tokens
+    assert sized(sc.deployment).pool_tokens == base  # a plain deployment keeps the capacity model's pool
+    assert Lever("kv-dtype", "fp8").apply(sc).deployment.pool_tokens == pytest.approx(2 * base, abs=2)
+    assert Lever("tp", "4").apply(sc).deployment.pool_tokens > 2 * base  # weights split too
+    assert Lever("mem-fraction", "0.95").apply(sc).deployment.pool_tokens > base
+    assert Lever("max-running", "16").apply(sc).max_running == 16
+    assert Lever("l2-ratio", "2").apply(sc).l2_ratio == 2.0
+    two = Lever("dp", "2").apply(sc)
+    assert two.dp == 2 and all(w.arrivals.rate == 3.0 for w in two.workloads) and two.workloads[0].seed != two.workloads[1].seed
+    for bad, why in (("tp=0", "at least 1"), ("kv-dtype=int3", "expected one of"), ("mem-fraction=1.5", r"\(0, 1\]"), ("mem-fraction=0.5", "no room")):
+        name, value = bad.split("=")
+        with pytest.raises(LeverError, match=why):
+            Lever(name, value).apply(sc)
+    with pytest.raises(LeverError, match="unknown remedy"):
+        resolve(["swap=1"], sc.deployment, None)
+    with pytest.raises(LeverError, match="give a value"):
+        resolve(["max-running"], sc.deployment, None)  # no ceiling known: no default
+    assert [lv.label for lv in resolve(["max-running", "tp"], sc.deployment, 31)] == ["max-running=31", "tp=4"]
+    defaults = [lv.name for lv in resolve([], sc.deployment, 31)]
+    assert defaults == ["kv-dtype", "tp", "dp", "max-running", "mem-fraction"]
