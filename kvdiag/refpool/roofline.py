@@ -91,8 +91,9 @@ class Roofline:
         return self.cost(plan).seconds
 
     def cost(self, plan: StepPlan) -> StepCost:
-        tokens = context = 0
-        pairs = 0.0
+        # The aggregated one-token decodes: n = 1 over p cached tokens is p + 1 pairs each.
+        tokens, context = plan.decode_batch, plan.decode_context
+        pairs = float(context + tokens)
         for c in plan.chunks:
             n, p = c.num_new_tokens, c.num_context_tokens
             tokens += n

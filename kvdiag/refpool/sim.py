@@ -27,7 +27,7 @@ import numpy as np
 from kvdiag.refpool import emit
 from kvdiag.refpool.emit import EngineState
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.types import DecodeRun, EngineScheduler, SimRequest, StepPlan
+from kvdiag.refpool.types import BatchDecoding, DecodeRun, EngineScheduler, SimRequest, StepPlan
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
 EPOCH = 1_795_952_340.0  # simulated t = 0 as a Unix time, for _created series and recordings
@@ -234,7 +234,8 @@ class Simulation:
 
     ``batch_time(tokens, context, pairs)`` is the same step-time model on a batch's aggregates
     (``Roofline.batch_seconds``). Given it, runs of identical decode steps that a scheduler
-    offers (``types.FastForward``) are taken at once, with every step's duration, ground truth
+    offers (``types.FastForward``) are taken at once, and a scheduler that can account its
+    decodes batch-wise (``types.BatchDecoding``) does, with every step's duration, ground truth
     and final metrics exactly as step by step.
     """
 
@@ -265,6 +266,8 @@ class Simulation:
 
     def _start_engine(self) -> None:
         self.scheduler = self.make_scheduler()
+        if self.batch_time is not None and isinstance(self.scheduler, BatchDecoding):
+            self.scheduler.enable_batch_decode()
         self.metrics = self.metrics_factory(self.scheduler, self.epoch + self.now)
         self._live: dict[SimRequest, None] = {}  # admitted, unfinished (ordered, for restart)
         self._unscheduled: set[SimRequest] = set()  # queue time not yet observed
@@ -300,6 +303,8 @@ class Simulation:
         """The engine process dies and a new one starts now: in-flight requests are lost
         (recorded with ``finished=None``), the pool is empty and every counter restarts at zero."""
         with self.lock:
+            if isinstance(self.scheduler, BatchDecoding):
+                self.scheduler.sync()
             self.records.extend(RequestRecord.of(r) for r in self._live)
             self.restarts.append(self.now)
             self._start_engine()
@@ -343,7 +348,7 @@ class Simulation:
         end = start + dt
         finished = self.scheduler.update_from_output(plan, end)
         self.now = end
-        new_tokens, prefill = 0, False
+        new_tokens, prefill = plan.decode_batch, False
         for c in plan.chunks:  # one pass: this runs every step over the whole batch
             new_tokens += c.num_new_tokens
             if c.is_prefill:
@@ -406,7 +411,7 @@ class Simulation:
         s.start.append(start)
         s.duration.append(dt)
         s.prefill.append(prefill)
-        s.batch.append(len(plan.chunks) if batch is None else batch)
+        s.batch.append(len(plan.chunks) + plan.decode_batch if batch is None else batch)
         s.new_tokens.append(new_tokens)
         s.blocked_on_kv.append(plan.blocked_on_kv)
         s.blocked_other.append(plan.blocked_other)

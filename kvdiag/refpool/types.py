@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -90,6 +90,20 @@ class SimRequest:
             ids = self._output_ids = output_ids(self.rid, max(n + 1, self.output_len, 2 * n))  # past EOS: doubling
         return ids[n]
 
+    def next_tokens(self, n: int) -> list[int]:
+        """The ids of the next ``n`` output tokens, as ``n`` calls of ``next_token`` would give
+        them (a request advanced several decode steps at once)."""
+        k = len(self.output)
+        return self.answer(k + n)[k : k + n]
+
+    def answer(self, n: int) -> list[int]:
+        """The output ids computed ahead, at least ``n`` of them (``output`` is always their
+        prefix); the list is shared, not a copy."""
+        ids = self._output_ids
+        if n > len(ids):
+            ids = self._output_ids = output_ids(self.rid, max(n, self.output_len, 2 * len(self.output)))
+        return ids
+
     @property
     def all_tokens(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.output)
@@ -119,10 +133,14 @@ class StepPlan:
     stored_tokens: int = 0  # L1 -> L2 tokens copied for this step
     blocked_on_kv: bool = False  # a waiting request was refused for lack of KV (ground truth)
     blocked_other: bool = False  # a waiting request was refused for another cap (seqs, budget)
+    # One-token decodes not listed in ``chunks`` (a scheduler's batch-level decode accounting):
+    # how many, and their requests' tokens already in L1 before the step, summed.
+    decode_batch: int = 0
+    decode_context: int = 0
 
     @property
     def idle(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.decode_batch
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,22 @@ class FastForward(Protocol):
         """Apply ``steps`` (at most the offered ``max_steps``) exactly as that many schedule /
         update_from_output pairs would; return the used tokens of the pool after each step, in
         the convention of the engine's metrics hook."""
+        ...
+
+
+@runtime_checkable
+class BatchDecoding(Protocol):
+    """Optional extension of ``EngineScheduler``: one-token decodes accounted for the batch at
+    once (``StepPlan.decode_batch``), each request's own fields brought up to date only where
+    the scheduler needs them. The pool, the counters and every step's plan totals stay exactly
+    the step-by-step loop's; the requests' fields are only up to date after ``sync``."""
+
+    def enable_batch_decode(self) -> None:
+        """Switch it on where the scheduler's configuration allows (before the first request)."""
+        ...
+
+    def sync(self) -> None:
+        """Bring every live request's fields (tokens, output) up to date, for a reader outside."""
         ...
 
 

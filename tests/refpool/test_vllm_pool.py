@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdiag.refpool.types import SimRequest, StepPlan
+from kvdiag.refpool.vllm.batch_decode import BatchDecode
 from kvdiag.refpool.vllm.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, cdiv
 from kvdiag.refpool.vllm.offload import CPUOffloadingManager
@@ -684,3 +686,94 @@ def test_random_streams_keep_invariants_and_bytes(w: tuple[dict, list[tuple[int,
     if s.connector is not None:
         for h, cpu_blk in s.connector.manager.blocks.items():
             assert store.tiers["host"][cpu_blk.block_id * bs + bs - 1] == last_key[h]
+
+
+# ============================================================================ batch decode
+def pool_state(s: VLLMScheduler) -> tuple:
+    """What batch-level decode must keep exactly as step by step after every step: the queues,
+    the block tables, the free queue's order, the cache's order and contents, the counters."""
+    kv, pool = s.kv_cache_manager, s.block_pool
+    return (
+        [r.request_id for r in s.running], [r.request_id for r in s.waiting],
+        {rid: ids(blocks) for rid, blocks in kv.req_to_blocks.items()}, dict(kv.num_cached_block),
+        queue_ids(pool), [(h, list(e)) for h, e in pool.cached_block_hash_to_block.items()],
+        [b.block_hash for b in pool.blocks], s.stats(),
+    )  # fmt: skip
+
+
+def assert_batch_decode_exact(cfg: dict, stream: list[tuple[int, str, tuple[int, ...], int, int]]) -> int:
+    """``stream`` ((step, rid, prompt, output_len, max_new), by step) through two schedulers, one
+    accounting steady decodes batch-wise: after every step the same pool, block tables, free-queue
+    and cache order and counters, the same plan totals; at the end (after ``sync``) the same
+    finished requests. Returns the decodes taken batch-wise."""
+    fast, slow = VLLMScheduler(**cfg), VLLMScheduler(**cfg)
+    fast.enable_batch_decode()
+    assert fast.batch is not None
+    done: dict[str, list] = {"fast": [], "slow": []}
+    aggregated = 0
+    pending, t = list(stream), 0
+    while pending or fast.has_work() or slow.has_work():
+        for when, rid, prompt, out, max_new in [x for x in pending if x[0] <= t]:
+            if rid in slow.requests:
+                continue  # a repeated id still live: it comes back later
+            pending.remove((when, rid, prompt, out, max_new))
+            for s in (fast, slow):
+                s.add_request(SimRequest(rid, float(t), prompt, max_new, out))
+        plans = []
+        for name, s in (("fast", fast), ("slow", slow)):
+            plan = s.schedule(float(t))
+            plans.append(plan)
+            done[name] += [(r.rid, r.evictions, list(r.output)) for r in s.update_from_output(plan, float(t))]
+        pf, ps = plans
+        aggregated += pf.decode_batch
+        assert pf.decode_batch + len(pf.chunks) == len(ps.chunks) and pf.idle == ps.idle
+        assert pf.decode_context + sum(c.num_context_tokens for c in pf.chunks) == sum(c.num_context_tokens for c in ps.chunks)
+        assert [r.rid for r in pf.evicted] == [r.rid for r in ps.evicted]
+        assert pool_state(fast) == pool_state(slow), f"step {t}"
+        t += 1
+        assert t < 5000
+    fast.sync()
+    assert done["fast"] == done["slow"] and len(done["slow"]) == len(stream)
+    return aggregated
+
+
+@pytest.mark.parametrize(
+    ("cfg", "seed"),
+    [
+        (dict(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=32, max_num_seqs=16), 0),  # preemptions
+        (dict(num_gpu_blocks=400, block_size=4, max_num_batched_tokens=24, max_num_seqs=32), 1),  # budget binds, chunks
+        (dict(num_gpu_blocks=300, block_size=2, max_num_batched_tokens=64, max_num_seqs=64, max_model_len=40), 2),
+        (dict(num_gpu_blocks=200, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False), 3),
+    ],
+)
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_batch_decode_keeps_the_pool_exactly_as_step_by_step(
+    cfg: dict, seed: int, one_at_a_time: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random streams that share prompts and answers (requests caching blocks another one
+    frees), preempt, chunk and hit max_model_len. ``one_at_a_time`` holds the path that applies
+    a step's block events request by request (taken where a block cached shares its hash with
+    one taken) to the same standard."""
+    if one_at_a_time:
+        monkeypatch.setattr(BatchDecode, "_shares_hash", lambda self, fills, n: True)
+    rng = random.Random(seed)
+    prompts = [tuple(rng.randrange(50) for _ in range(rng.randint(1, 30))) for _ in range(4)]
+    stream = []
+    for i in range(60):
+        n = rng.randint(1, 30)
+        prompt = (prompts[i % 4] + tuple(rng.randrange(50) for _ in range(rng.randint(0, 12))))[:30]
+        rid = f"q{i}"
+        if i % 3 == 0:  # a repeated request: the same blocks cached again as the old ones are reused
+            rid, prompt = f"r{i % 5}", prompts[i % 5 % 4]
+        stream.append((rng.randint(0, 150), rid, prompt, n, n + rng.choice([0, 3])))
+    stream.sort(key=lambda x: x[0])
+    assert assert_batch_decode_exact(cfg, stream) > 0  # not vacuous
+
+
+def test_batch_decode_orders_steady_blocks_between_older_prefills() -> None:
+    """Capped chunks keep older requests prefilling while newer short ones decode steadily: a
+    step's blocks go to both in running order, not steady ones first."""
+    rng = random.Random(4)
+    stream = [(0, f"q{i}", tuple(rng.randrange(50) for _ in range(30 if i % 3 == 0 else 3)), 20, 20) for i in range(8)]
+    cfg = dict(num_gpu_blocks=300, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=6)
+    assert assert_batch_decode_exact(cfg, stream) > 0

@@ -57,6 +57,10 @@ class Request:
         self.num_tokens = 0
         self.token_keys: list[int] = []
         self.block_hashes: list[int] = []
+        # Batch-level decode (``batch_decode.py``): admission order in the running list, and
+        # while ``steady``, the step its fields are exact at and the step it stops at.
+        self.seq = self.anchor = self.stop_step = 0
+        self.steady = False
         self._append(sim.all_tokens)
 
     def _append(self, tokens: tuple[int, ...]) -> None:
@@ -71,15 +75,24 @@ class Request:
 
     def _hash_full_blocks(self) -> None:
         """Hash the blocks that became full."""
+        self.hash_blocks_to(self.num_tokens)
+
+    def hash_blocks_to(self, num_tokens: int) -> None:
+        """Hash every full block of the first ``num_tokens`` tokens; a steady request
+        (``batch_decode.py``) hashes its sampled-ahead answer this way before its output is
+        brought up to date."""
         bs, hashes = self.block_size, self.block_hashes
-        while len(hashes) < self.num_tokens // bs:
+        while len(hashes) < num_tokens // bs:
             lo = len(hashes) * bs
             hashes.append(hash_block_tokens(hashes[-1] if hashes else 0, self._tokens(lo, lo + bs)))
 
     def _tokens(self, lo: int, hi: int) -> tuple[int, ...]:
-        """Tokens ``lo..hi-1`` of prompt + output, without concatenating the whole sequence."""
+        """Tokens ``lo..hi-1`` of prompt + output, without concatenating the whole sequence;
+        output tokens not appended yet are the ones ``next_token`` will give."""
         prompt, out = self.sim.prompt, self.sim.output
         p = len(prompt)
+        if hi - p > len(out):
+            out = self.sim.answer(hi - p)
         if hi <= p:
             return prompt[lo:hi]
         if lo >= p:
@@ -99,6 +112,14 @@ class Request:
         self.num_tokens += 1  # one token fills at most one block: the only hash that can be due
         if self.num_tokens % self.block_size == 0:
             self._hash_full_blocks()
+
+    def append_output_tokens(self, n: int) -> None:
+        """``n`` sampled tokens at once (a steady request brought up to date), as ``n`` calls
+        of ``append_output_token_ids``; accounting-only (no per-token keys)."""
+        assert not self.track_keys
+        self.sim.output.extend(self.sim.next_tokens(n))
+        self.num_tokens += n
+        self._hash_full_blocks()
 
     def __repr__(self) -> str:
         return (

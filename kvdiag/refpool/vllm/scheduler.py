@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
-from kvdiag.refpool.vllm import fast_forward
+from kvdiag.refpool.vllm.batch_decode import BatchDecode
 from kvdiag.refpool.vllm.block_pool import BlockPool
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from kvdiag.refpool.vllm.offload import OffloadingConnector, OffloadingConnectorMetadata
@@ -139,6 +139,7 @@ class VLLMScheduler:
         self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []
         self._pending: _SchedulerOutput | None = None
+        self.batch: BatchDecode | None = None  # batch-level decode accounting (enable_batch_decode)
         self.num_preemptions_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -175,6 +176,10 @@ class VLLMScheduler:
         running, threshold = self.running, self._long_prefill_cap()
         allocate_slots = kv.allocate_slots
         req_index = 0
+        if self.batch is not None:
+            budget_left = self.batch.schedule_running(out, token_budget, threshold, now)
+            if budget_left is not None:  # every running request taken batch-wise
+                token_budget, req_index = budget_left, len(running)
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_computed_tokens = request.num_computed_tokens
@@ -230,6 +235,8 @@ class VLLMScheduler:
                 kv.record_prefix_cache_stats(request, num_local)
                 self.waiting.pop_request()
                 self.running.append(request)
+                if self.batch is not None:
+                    self.batch.admitted(request)
                 if request.num_preemptions == 0:
                     request.sim.device_hit_tokens = num_local
                     request.sim.host_hit_tokens = num_external
@@ -273,7 +280,8 @@ class VLLMScheduler:
         finished: list[SimRequest] = []
         sampled = 0
         check_stop = self._check_stop  # bound once: the loop runs per scheduled request
-        for request, n in out.scheduled:
+        scheduled = out.scheduled if self.batch is None else self.batch.with_stops(out.scheduled)
+        for request, n in scheduled:
             request.num_computed_tokens += n
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill chunk: its sample is discarded
@@ -290,6 +298,8 @@ class VLLMScheduler:
                 request.sim.finished = now
                 finished.append(request.sim)
         self.generation_tokens_total += sampled
+        if self.batch is not None:
+            self.batch.after_update(scheduled)
         if self.debug:
             self.check_invariants()
         return finished
@@ -380,9 +390,18 @@ class VLLMScheduler:
         if end and self.moves_bytes and not self.store.verify("device", self._slots(request, 0, end), request.token_keys[:end]):
             raise AssertionError(f"{request.request_id}: device KV of tokens [0, {end}) does not match")
 
-    # types.FastForward: runs of identical decode steps at once (vllm/fast_forward.py)
-    decode_run = fast_forward.decode_run
-    advance_decode = fast_forward.advance_decode
+    # ---- types.BatchDecoding (vllm/batch_decode.py)
+
+    def enable_batch_decode(self) -> None:
+        """Account steady decodes batch-wise from now on, where it is exact without per-request
+        work: accounting-only, no connector, not debug (KV writes, offloading stores and the
+        invariant checks follow every request every step). Elsewhere nothing changes."""
+        if not (self.debug or self.moves_bytes or self.connector is not None):
+            self.batch = BatchDecode(self)
+
+    def sync(self) -> None:
+        if self.batch is not None:
+            self.batch.sync_all()
 
     # ---- observability ----
 

@@ -1,0 +1,225 @@
+"""Batch-level decode accounting for the vLLM reference scheduler (exact; accounting-only runs).
+
+Under load nearly every running request of a vLLM step is a one-token decode, and the
+step-by-step scheduler spends a Python call chain per running request per step on it
+(``allocate_slots``, a chunk, a sampled token, ``check_stop``): at a thousand running requests
+that caps a run at a few simulated seconds per wall second. Yet a decoding request needs its
+own work only at three kinds of step: its next token starts a block (``allocate_slots`` takes a
+block from the free queue), its last token fills one (``cache_blocks`` hashes and indexes it),
+or it stops (``check_stop``, its blocks are freed). Between those a step changes it by exactly
+one computed and one output token.
+
+So a *steady* request (it decoded in the last step, so it decodes in this one) is not touched
+per step: its fields are exact as of its ``anchor`` step, it has decoded once per step since,
+and they are brought up to date (``_sync``) only when it stops or the normal path needs it.
+Its block events are periodic: with ``c`` computed tokens at a step's start it takes a block
+where ``c % block_size == 0`` and fills one where ``(c + 1) % block_size == 0``, and ``c - step``
+is constant while it is steady, so steady requests sit in one of ``block_size`` phase buckets
+(in running order) and a step's events are two buckets. Stops come from a heap keyed by step.
+
+Events of one step are applied in running order, merged with the requests that are not steady
+(prefills, chunks) going through the normal ``allocate_slots``, so block ids, block hashes, the
+free queue's order and the cache's order are those of the step-by-step loop (the running list is
+in admission order: it only appends at the tail and removes). Where no explicit request comes
+between them and no block a step caches shares a hash with a block it takes from the free queue,
+its block takes commute with its caching and are one ``get_new_blocks``. The plan lists the
+steady decodes as one aggregate (``StepPlan.decode_batch``, ``decode_context``) instead of a
+chunk each. A step whose running phase could preempt or run out of token budget (checked before
+anything changes) brings every request up to date and takes the normal path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from typing import TYPE_CHECKING
+
+from kvdiag.refpool.vllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvdiag.refpool.vllm.scheduler import VLLMScheduler, _SchedulerOutput
+
+_RUNNING = RequestStatus.RUNNING
+
+
+def _seq(r: Request) -> int:
+    return r.seq
+
+
+class BatchDecode:
+    """The steady requests of one ``VLLMScheduler`` and their upcoming events."""
+
+    def __init__(self, s: VLLMScheduler) -> None:
+        assert not s.running and not s.moves_bytes and not s.debug and s.connector is None
+        self.s = s
+        self.step = 0  # the step whose schedule is next (or under way)
+        self.n = 0  # steady requests
+        self.context = 0  # their computed tokens at the start of this step's schedule
+        # phases[p]: steady requests with (computed - step) % block_size == p, in running order
+        self.phases: list[list[Request]] = [[] for _ in range(s.block_size)]
+        self.stops: list[tuple[int, int, Request]] = []  # (step, seq, request): at that update
+        self.explicit: list[Request] = []  # running requests that are not steady, in running order
+        self._full = False  # this step took the normal path: every running request is explicit
+        self._seq = itertools.count()
+
+    def admitted(self, r: Request) -> None:
+        """``r`` was appended to the running list: it sorts after every running request."""
+        r.seq = next(self._seq)
+
+    # ---- schedule: the running phase
+    def schedule_running(self, out: _SchedulerOutput, token_budget: int, threshold: int, now: float) -> int | None:
+        """The running phase of this step, or None (nothing changed) where it could preempt or
+        exhaust the token budget: then every request is brought up to date for the normal path."""
+        s, j = self.s, self.step
+        kv, bs = s.kv_cache_manager, s.block_size
+        blocks_of = kv.req_to_blocks
+        takes = self.phases[-j % bs]  # c % bs == 0: one new block each
+        fills = self.phases[(-j - 1) % bs] if kv.enable_caching else []  # (c + 1) % bs == 0
+        need_tokens, need_blocks = self.n, len(takes)
+        sizes = []
+        for r in self.explicit:
+            n = r.num_tokens - r.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            sizes.append(n)
+            need_tokens += n
+            end = min(r.num_computed_tokens + n, s.max_model_len)
+            need_blocks += max(-(-end // bs) - len(blocks_of.get(r.request_id, ())), 0)
+        if need_tokens > token_budget or need_blocks > s.block_pool.get_num_free_blocks():
+            self.sync_all()
+            return None
+        for r in fills:  # the block hashes this step caches (tokens sampled ahead)
+            r.hash_blocks_to(r.num_computed_tokens + j - r.anchor + 1)
+        explicit = self.explicit
+        last = max(takes[-1].seq if takes else -1, fills[-1].seq if fills else -1)
+        if (not explicit or explicit[0].seq > last) and not self._shares_hash(fills, len(takes)):
+            new = s.block_pool.get_new_blocks(len(takes))
+            for r, b in zip(takes, new):
+                blocks_of[r.request_id].append(b)
+            for r in fills:
+                kv.cache_blocks(r, r.num_computed_tokens + j - r.anchor + 1)
+            for r, n in zip(explicit, sizes):
+                self._explicit_step(out, r, n, now)
+        else:  # one request at a time, in running order
+            steady = sorted(takes + fills, key=_seq)
+            i = 0
+            for r in steady:
+                while i < len(explicit) and explicit[i].seq < r.seq:
+                    self._explicit_step(out, explicit[i], sizes[i], now)
+                    i += 1
+                c = r.num_computed_tokens + j - r.anchor
+                kv._allocate_new_blocks(r.request_id, c + 1)  # allocate_slots of a running decode ...
+                kv.cache_blocks(r, c + 1)  # ... and its caching up to num_tokens
+            for k in range(i, len(explicit)):
+                self._explicit_step(out, explicit[k], sizes[k], now)
+        out.plan.decode_batch, out.plan.decode_context = self.n, self.context
+        return token_budget - need_tokens
+
+    def _shares_hash(self, fills: list[Request], n_takes: int) -> bool:
+        """Whether a block this step caches has the hash of one of the next ``n_takes`` free
+        blocks (whose hash taking it drops): only then does their order matter."""
+        if not fills or not n_takes:
+            return False
+        j, bs = self.step, self.s.block_size
+        caching = {r.block_hashes[(r.num_computed_tokens + j - r.anchor + 1) // bs - 1] for r in fills}
+        queue = self.s.block_pool.free_block_queue
+        b = queue.fake_free_list_head.next_free_block
+        for _ in range(n_takes):
+            assert b is not None
+            if b.block_hash is not None and b.block_hash in caching:
+                return True
+            b = b.next_free_block
+        return False
+
+    def _explicit_step(self, out: _SchedulerOutput, r: Request, n: int, now: float) -> None:
+        new_blocks = self.s.kv_cache_manager.allocate_slots(r, n)
+        assert new_blocks is not None, "checked to fit"
+        is_decode = r.num_computed_tokens == r.num_tokens - 1 and bool(r.sim.output)
+        self.s._add_chunk(out, r, n, not is_decode, now)
+
+    # ---- update
+    def with_stops(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """This step's scheduled requests plus the steady ones that stop at its update (brought
+        up to date, no longer steady), in running order: the update processes them alike."""
+        j, stops = self.step, []
+        heap = self.stops
+        while heap and heap[0][0] <= j:
+            st, seq, r = heapq.heappop(heap)
+            if r.steady and r.seq == seq and r.stop_step == st:
+                stops.append(r)
+        if not stops:
+            return scheduled
+        for r in stops:
+            self._sync(r, j)
+            self._unsteady(r)
+        return sorted(scheduled + [(r, 1) for r in stops], key=lambda x: x[0].seq)
+
+    def after_update(self, scheduled: list[tuple[Request, int]]) -> None:
+        """The steady requests decoded once more; every request that decoded this step and is
+        still running becomes steady from the next step."""
+        s = self.s
+        self.context += self.n
+        s.generation_tokens_total += self.n
+        nxt = self.step + 1
+        explicit = []
+        for r in s.running if self._full else (r for r, _ in scheduled):
+            if r.steady or r.status is not _RUNNING:
+                continue
+            if not self._make_steady(r, nxt):
+                explicit.append(r)
+        self.explicit = explicit
+        self._full = False
+        self.step = nxt
+
+    # ---- bookkeeping
+    def sync_all(self) -> None:
+        """Bring every running request up to date and make it explicit (the normal path's
+        state, exactly as the step-by-step loop would have it now)."""
+        for r in self.s.running:
+            if r.steady:
+                self._sync(r, self.step)
+                r.steady = False
+        self.n = self.context = 0
+        self.phases = [[] for _ in self.phases]
+        self.stops = []
+        self.explicit = list(self.s.running)
+        self._full = True
+
+    def _make_steady(self, r: Request, step: int) -> bool:
+        """Make ``r`` steady from ``step`` if it decodes there with its blocks on the periodic
+        pattern (as many blocks as its computed tokens need, every full one cached)."""
+        s, sim, bs = self.s, r.sim, self.s.block_size
+        c = r.num_computed_tokens
+        if c != r.num_tokens - 1 or not sim.output:
+            return False  # prefilling, or resumed and recomputing
+        kv = s.kv_cache_manager
+        if len(kv.req_to_blocks[r.request_id]) != -(-c // bs) or (
+            kv.enable_caching and kv.num_cached_block.get(r.request_id, 0) != c // bs
+        ):
+            return False
+        n_out = len(sim.output)
+        # check_stop stops it at the d-th decode from now (d >= 1: it did not stop yet).
+        d = min(sim.max_new_tokens - n_out, sim.output_len - n_out, s.max_model_len - r.num_tokens)
+        r.steady, r.anchor, r.stop_step = True, step, step + d - 1
+        heapq.heappush(self.stops, (r.stop_step, r.seq, r))
+        bisect.insort(self.phases[(c - step) % bs], r, key=_seq)
+        self.n += 1
+        self.context += c
+        return True
+
+    def _unsteady(self, r: Request) -> None:
+        """``r`` (brought up to date) leaves the steady set."""
+        self.phases[(r.num_computed_tokens - self.step) % self.s.block_size].remove(r)
+        r.steady = False
+        self.n -= 1
+        self.context -= r.num_computed_tokens
+
+    @staticmethod
+    def _sync(r: Request, step: int) -> None:
+        """``r``'s fields as the step-by-step loop has them at the start of ``step``."""
+        d = step - r.anchor
+        if d:
+            r.append_output_tokens(d)
+            r.num_computed_tokens += d
+            r.anchor = step
