@@ -289,7 +289,7 @@ class PDDecodeMetrics:
         s.prealloc_queue = len(sched.prealloc)
         s.transfer_queue = len(sched.inflight)
         s.prealloc_tokens = sched.reserved
-        _retracted(s, sched.inner.stats())  # type: ignore[attr-defined]
+        _sglang_counters(s, sched.inner.stats())  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ hybrid sliding window
@@ -340,7 +340,7 @@ class HybridSWAMetrics:
         truth = self.base.on_step()
         s = self.state
         s.swa_used_tokens, s.swa_evictable_tokens = s.used_tokens, s.evictable_tokens
-        _retracted(s, self.base.scheduler.stats())
+        _sglang_counters(s, self.base.scheduler.stats())
         return truth  # over the SWA pool: the one that binds
 
 
@@ -440,33 +440,45 @@ class ConnectorMetrics:
         return truth
 
 
-class RetractionMetrics:
-    """SGLang's own hook plus the tokens its retractions threw away (counted apart since 0.5.7)."""
+class SGLangCounterMetrics:
+    """SGLang's own hook plus the counters it exports beside the scheduler gauges: the tokens
+    retractions threw away (apart since 0.5.7) and the radix cache's eviction, load-back, backup
+    and drop counts."""
 
     engine = "sglang"
 
-    def __init__(self, sched: SGLangScheduler, created: float) -> None:
+    def __init__(self, sched: SGLangScheduler, created: float, kv_bytes_per_token_per_rank: int | None = None) -> None:
         self.base = SGLangMetrics(sched, created)
         self.state = self.base.state
+        self.state.kv_bytes_per_token_per_rank = kv_bytes_per_token_per_rank
 
     def on_step(self) -> PoolTruth:
         truth = self.base.on_step()
-        _retracted(self.state, self.base.scheduler.stats())
+        _sglang_counters(self.state, self.base.scheduler.stats())
         return truth
 
 
-def _retracted(state: EngineState, st: object) -> None:
+def _sglang_counters(state: EngineState, st: object) -> None:
     state.retracted_input_tokens_total = st.num_retracted_input_tokens_total  # type: ignore[attr-defined]
     state.retracted_output_tokens_total = st.num_retracted_output_tokens_total  # type: ignore[attr-defined]
+    state.evicted_tokens_total = st.evicted_tokens_total  # type: ignore[attr-defined]
+    state.load_back_tokens_total = st.load_back_tokens_total or 0  # type: ignore[attr-defined]
+    state.backup_tokens_total = st.hicache_backup_tokens_total or 0  # type: ignore[attr-defined]
+    state.dropped_tokens_total = st.hicache_dropped_tokens_total or 0  # type: ignore[attr-defined]
 
 
-def unified_metrics(sched: EngineScheduler, created: float) -> EngineMetrics:
-    """The metrics hook of a unified instance of either engine."""
-    if isinstance(sched, VLLMScheduler):
-        return ConnectorMetrics(sched, created)
-    if isinstance(sched, SGLangScheduler):
-        return RetractionMetrics(sched, created)
-    return default_metrics(sched, created)
+def unified_metrics(kv_bytes_per_token_per_rank: int | None = None) -> MetricsFactory:
+    """The metrics hook of a unified instance of either engine (``kv_bytes_per_token_per_rank``
+    turns SGLang's L2 token counts into its byte counters)."""
+
+    def make(sched: EngineScheduler, created: float) -> EngineMetrics:
+        if isinstance(sched, VLLMScheduler):
+            return ConnectorMetrics(sched, created)
+        if isinstance(sched, SGLangScheduler):
+            return SGLangCounterMetrics(sched, created, kv_bytes_per_token_per_rank)
+        return default_metrics(sched, created)
+
+    return make
 
 
 def lmcache_text(sims: Iterable[object], model: str, openmetrics: bool = False) -> str:

@@ -112,6 +112,14 @@ class EngineState:
     swa_capacity_tokens: int | None = None
     swa_used_tokens: int = 0
     swa_evictable_tokens: int = 0
+    # SGLang's radix-cache collector (facts §2.5): device slots freed by eviction, HiCache
+    # load-back (L2 -> L1) and backup (L1 -> L2) tokens, tokens dropped without a backup; bytes
+    # are these tokens' KV on one rank (None: unknown, the byte counters are not written).
+    evicted_tokens_total: int = 0
+    load_back_tokens_total: int = 0
+    backup_tokens_total: int = 0
+    dropped_tokens_total: int = 0
+    kv_bytes_per_token_per_rank: int | None = None
     # KV connector traffic (vLLM external_prefix_cache_* and prompt_tokens_by_source).
     external_query_tokens_total: int = 0
     external_hit_tokens_total: int = 0
@@ -351,8 +359,48 @@ def _sglang(states: list[EngineState], dialect: str, om: bool, escape: bool, tp:
             SGLANG_QUEUE_BUCKETS,
             [(sched(i, r), s.queue_time, s.created) for i, s in enumerate(states) for r in range(tp)],
         )
+    if v >= (0, 5, 6):
+        _sglang_radix(w, states, v, tp)
     _sglang_tokenizer(w, states, v, model, streaming)
     return w.text()
+
+
+#: The radix collector's ``cache_type``: SGLang 0.5.23 builds ``UnifiedRadixCache`` unless told
+#: otherwise (mem_cache/registry.py).
+SGLANG_CACHE_TYPE = "UnifiedRadixCache"
+
+
+def _sglang_radix(w: _Writer, states: list[EngineState], v: tuple[int, ...], tp: int) -> None:
+    """The radix-cache collector (metrics_collector.py@0.5.23): labels ``cache_type, tp_rank,
+    pp_rank, dp_rank`` and no model_name; every replica reports ``dp_rank="0"`` (so DP engines
+    add up under one label set, as Prometheus sees them); a counter appears at its first
+    increment. Load-back and backup tokens carry ``pool`` ("kv": the main pool), drops also a
+    ``reason``; these and the byte counters are written for 0.5.23, the release the facts read."""
+    P = "sglang:"
+    total = _sum_states(states)
+
+    def series(fn, extra: dict[str, str] | None = None) -> list[tuple[dict[str, str], float, float]]:
+        value = fn(total)
+        if not value:
+            return []
+        return [({"cache_type": SGLANG_CACHE_TYPE, "dp_rank": "0", "pp_rank": "0", "tp_rank": str(r), **(extra or {})}, value, total.created)
+                for r in range(tp)]  # fmt: skip
+
+    w.counter(P + "evicted_tokens", "The number of device KV token slots freed by eviction.", series(lambda s: s.evicted_tokens_total))
+    if v < (0, 5, 23):
+        return
+    w.counter(P + "load_back_tokens", "The number of tokens loaded back from local host DRAM (L2) to GPU, by host pool.",
+              series(lambda s: s.load_back_tokens_total, {"pool": "kv"}))
+    w.counter(P + "hicache_backup_tokens", "The number of tokens backed up from GPU to local host DRAM (L2), by host pool.",
+              series(lambda s: s.backup_tokens_total, {"pool": "kv"}))
+    w.counter(P + "hicache_dropped_tokens", "The number of logical device KV tokens destroyed without a host backup.",
+              series(lambda s: s.dropped_tokens_total, {"pool": "kv", "reason": "host_pressure"}))
+    if total.kv_bytes_per_token_per_rank is not None:
+        per = total.kv_bytes_per_token_per_rank
+        w.counter(P + "load_back_bytes", "Bytes loaded back from local host DRAM (L2) to GPU, all pools combined.",
+                  series(lambda s: s.load_back_tokens_total * per))
+        w.counter(P + "hicache_backup_bytes", "Bytes backed up from GPU to local host DRAM (L2), all pools combined.",
+                  series(lambda s: s.backup_tokens_total * per))
 
 
 def _sglang_pd_queues(w: _Writer, states: list[EngineState], v: tuple[int, ...], tp: int, sched) -> None:
@@ -420,6 +468,11 @@ def _sum_states(states: list[EngineState]) -> EngineState:
         out.generation_tokens_total += s.generation_tokens_total
         out.requests_total += s.requests_total
         out.l2_hit_tokens_total += s.l2_hit_tokens_total
+        out.evicted_tokens_total += s.evicted_tokens_total
+        out.load_back_tokens_total += s.load_back_tokens_total
+        out.backup_tokens_total += s.backup_tokens_total
+        out.dropped_tokens_total += s.dropped_tokens_total
+        out.kv_bytes_per_token_per_rank = s.kv_bytes_per_token_per_rank
         if s.l2_capacity_tokens is not None:
             out.l2_capacity_tokens = (out.l2_capacity_tokens or 0) + s.l2_capacity_tokens
         for src, dst in ((s.ttft, out.ttft), (s.queue_time, out.queue_time)):

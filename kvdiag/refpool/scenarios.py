@@ -159,7 +159,7 @@ class ScenarioRun:
         roofline = self.scenario.deployment.roofline()
         topo = self.scenario.topology
         step_time = roofline.step_time if topo is None else topo.step_time(roofline.step_time)
-        metrics = unified_metrics if topo is None else topo.metrics(self.engine)
+        metrics = unified_metrics(roofline.kv_bytes_per_token) if topo is None else topo.metrics(self.engine)
         fast = self.fast and (topo is None or topo.fast_forward)
         self.sims = [
             Simulation(make, wl.requests(), step_time, metrics=metrics, batch_time=roofline.batch_seconds if fast else None)
