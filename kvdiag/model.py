@@ -418,3 +418,4 @@ class Diagnosis:
     end: float = math.nan
     samples: int = 0
     notes: list[str] = field(default_factory=list)
+    role: Role | None = None  # prefill / decode / unified, where the engine's series say it

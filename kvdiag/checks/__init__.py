@@ -76,6 +76,7 @@ def diagnose(window: Window, config: Config) -> Diagnosis:
         end=window.end,
         samples=len(window),
         notes=list(dict.fromkeys(last.notes)),
+        role=last.role,
     )
 
 

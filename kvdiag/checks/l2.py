@@ -46,7 +46,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         return absent(
             NAME,
             window,
-            ("l2_capacity_tokens", "l2_hit_tokens_total", "l2_load_bytes_total"),
+            ("l2_capacity_tokens", "l2_hit_tokens_total"),
             "no L2 tier reported (no L2 occupancy series, no L2 hits and no L2 traffic counted)",
             "only judged where a KV tier below L1 (host memory, offloading, LMCache) is configured and exported",
         )

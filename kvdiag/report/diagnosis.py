@@ -25,7 +25,8 @@ def render(console: Console, diagnoses: Iterable[Diagnosis]) -> None:
 def panel(d: Diagnosis) -> Panel:
     style = "bold white on magenta" if d.verdict.name == "unknown" else VERDICT_STYLE[d.verdict.severity]
     head = Text()
-    head.append(f"{d.engine} {d.model or ''}\n", style="dim")  # here, not in the title: a title is cut to one line
+    role = f" ({d.role} instance)" if d.role in ("prefill", "decode") else ""
+    head.append(f"{d.engine} {d.model or ''}{role}\n", style="dim")  # here, not in the title: a title is cut to one line
     head.append(f" {d.verdict.name} ", style=style)
     head.append(f"  {d.verdict.reason}")
     if d.verdict.name == "unknown" and d.checks and all(c.evidence.summary == d.verdict.reason for c in d.checks.values()):

@@ -24,6 +24,7 @@ def diagnosis_json(d: Diagnosis) -> dict:
         "instance": d.instance,
         "engine": d.engine,
         "model": d.model,
+        "role": d.role,
         "verdict": d.verdict.name,
         "severity": d.verdict.severity,
         "alert": d.verdict.alert,

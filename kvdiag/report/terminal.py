@@ -26,8 +26,10 @@ BAR_WIDTH = 24
 
 def pool_bar(sample: PoolSample, width: int = BAR_WIDTH) -> Text:
     """used / evictable / available where the engine reports them apart, else used against
-    the rest (labelled as such, since the rest mixes evictable cache and free space)."""
-    cap = sample.capacity_tokens
+    the rest (labelled as such, since the rest mixes evictable cache and free space). A hybrid
+    model's split is its binding pool's, against that pool's own capacity, and says which."""
+    binding = sample.binding_pool
+    cap = binding.capacity if binding is not None and binding.capacity else sample.capacity_tokens
     parts: list[tuple[float, str, str]] = []
     if cap and sample.used_tokens is not None and sample.evictable_tokens is not None and sample.available_tokens is not None:
         parts = [
@@ -35,7 +37,7 @@ def pool_bar(sample: PoolSample, width: int = BAR_WIDTH) -> Text:
             (sample.evictable_tokens, "yellow", "evictable"),
             (sample.available_tokens, "green", "available"),
         ]
-        legend = "used/evictable/available"
+        legend = "used/evictable/available" + (f" of the {binding.title} (binding)" if binding is not None else "")
     elif sample.usage_ratio is not None:
         parts = [(sample.usage_ratio, "red", "used"), (max(0.0, 1 - sample.usage_ratio), "bright_black", "rest")]
         cap = 1.0
