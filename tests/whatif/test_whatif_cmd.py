@@ -1,0 +1,127 @@
+"""`kvdiag whatif` end to end: recordings, live engine URLs and a real Prometheus range, through
+the same source plumbing as diagnose; predictions that follow the mechanism; clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvdiag.cli import main
+from kvdiag.refpool import emit
+from kvdiag.refpool.scenarios import SCENARIOS, ScenarioRun
+from kvdiag.refpool.serve import MetricsServer
+from kvdiag.report.json import dumps
+from tests.checks.scenario import recording
+from tests.mixin.prom import Prometheus
+from tests.whatif.conftest import record
+
+L1 = ("l1_kv_bottleneck", "l1_kv_pressure")
+
+
+def whatif(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict, str]:
+    code = main(["whatif", *args, "--json", "--jobs", "2"])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if out.out.strip() else {}), out.err
+
+
+@pytest.fixture(scope="module")
+def saturated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ramp-slow on vLLM cut to 200 s: the load crosses the pool at ~140 s; preemptions, a queue."""
+    return record("ramp-slow", "vllm", 200.0, tmp_path_factory.mktemp("whatif") / "saturated.jsonl.gz")
+
+
+def test_saturated_twice_the_l1_predicts_lower_p99_and_fewer_evictions(saturated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FP8 KV holds twice the tokens in the same pool: against the calibration, lower P99 TTFT,
+    fewer evictions, no L1 verdict. The bare ``max-running`` takes the checklist's ceiling."""
+    code, out, err = whatif(capsys, "--replay", str(saturated), "--remedy", "kv-dtype=fp8", "--remedy", "max-running")
+    assert code == 0, err
+    [inst] = out["instances"]
+    observed, calib = inst["observed"], inst["calibration"]["outcome"]
+    assert observed["verdict"] in L1 and calib["verdict"] in L1
+    fp8, capped = inst["remedies"]
+    assert fp8["remedy"] == "kv-dtype=fp8" and fp8["flag"] and capped["remedy"].startswith("max-running=")
+    assert fp8["outcome"]["p99_ttft"] < calib["p99_ttft"] and fp8["outcome"]["evictions_per_min"] < calib["evictions_per_min"]
+    assert fp8["outcome"]["verdict"] not in L1
+    errors = inst["fit_errors"]  # the fit's quality is stated with its errors, good or poor
+    assert inst["fit_quality"].startswith("fit: good" if errors["good"] else "fit: POOR")
+    assert f"P99 TTFT {errors['p99_ttft']:+.0%}" in inst["fit_quality"]
+    assert err.count("whatif [") == 3  # piped: one plain progress line per replay
+
+
+def test_healthy_keeps_its_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """noisy-healthy: more L1 or another replica changes nothing that matters; the HTML report
+    gains a what-if section naming every run."""
+    rec = record("noisy-healthy", "sglang", 90.0, tmp_path / "healthy.jsonl.gz")
+    html = tmp_path / "report.html"
+    code, out, err = whatif(capsys, "--replay", str(rec), "--remedy", "kv-dtype", "--remedy", "dp=2", "--html", str(html))
+    assert code == 0, err
+    [inst] = out["instances"]
+    assert inst["observed"]["verdict"] == "healthy"
+    assert [r["outcome"]["verdict"] for r in inst["remedies"]] == ["healthy", "healthy"]
+    assert inst["remedies"][1]["outcome"]["replicas"] == 2
+    page = html.read_text()
+    assert "what if: the window replayed" in page and "kv-dtype=fp8" in page and "dp=2" in page and "fitted knobs" in page
+
+
+def test_garbage_and_absent_series_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "node.prom"
+    other.write_text("# TYPE node_load1 gauge\nnode_load1 0.5\n")
+    code, _, err = whatif(capsys, str(other))
+    assert code == 3 and "no instance could be fitted" in err and "node.prom" in err
+    idle = tmp_path / "idle.jsonl"
+    idle.write_text("".join(dumps(s.__dict__) + "\n" for s in recording("vllm", steps=20, requests=0)))
+    code, _, err = whatif(capsys, "--replay", str(idle))
+    assert code == 3 and "no request finished" in err
+    code, _, err = whatif(capsys, "--replay", str(idle), "--remedy", "swap=2")
+    assert code == 3 and "unknown remedy 'swap'" in err
+    code, _, err = whatif(capsys)
+    assert code == 3 and "give engine URLs" in err
+
+
+# ---------------------------------------------------------------- live: URLs and Prometheus
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Prometheus]]:
+    """noisy-healthy on vLLM at wall-clock speed on loopback, and a real Prometheus scraping it."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus (Debian package) not installed")
+    run = ScenarioRun(replace(SCENARIOS["noisy-healthy"], duration=600.0), "vllm")
+    server = MetricsServer(lambda om: (run.exposition(openmetrics=om), emit.content_type(om))).start()
+    stop = threading.Event()
+    thread = threading.Thread(target=run.follow_wall_clock, args=(1.0, 600.0, stop), daemon=True)
+    thread.start()
+    prom = Prometheus(binary, tmp_path_factory.mktemp("prom"), [], {"engine": server.url}).start()
+    try:
+        yield server.url + "/metrics", prom
+    finally:
+        prom.stop()
+        stop.set()
+        thread.join(timeout=30)
+        server.stop()
+
+
+def test_live_urls(live: tuple[str, Prometheus], capsys: pytest.CaptureFixture[str]) -> None:
+    """Sampled for 10 s, shown as the terminal tables (piped: 200 columns, nothing cut)."""
+    url, _ = live
+    code = main(["whatif", url, "--interval", "0.5s", "--duration", "10s", "--remedy", "kv-dtype=fp8", "--jobs", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    for name in ("fitted knobs", "observed", "calibration", "kv-dtype=fp8", "--kv-cache-dtype fp8", "fit: "):
+        assert name in out
+    assert "10s window" in out or "9s window" in out
+
+
+def test_prometheus_range(live: tuple[str, Prometheus], capsys: pytest.CaptureFixture[str]) -> None:
+    url, prom = live
+    Prometheus.wait(lambda: prom.query('count_over_time(up{job="engine"}[30s]) >= 13'), 120, "13 scrapes of the engine in Prometheus")
+    code, out, err = whatif(capsys, "--prometheus", prom.url, "--since", "12s", "--step", "1s", "--remedy", "dp=2")
+    assert code == 0, err
+    [inst] = out["instances"]
+    assert inst["fit"]["engine"] == "vllm" and inst["fit"]["interval_s"] == 1.0
+    assert inst["remedies"][0]["outcome"]["replicas"] == 2
