@@ -60,6 +60,8 @@ def put(tree: RadixCache, key: Sequence[int], store: RecordingStore | None = Non
     prefix = tree.insert(key, slots)
     if prefix:
         tree.token_to_kv_pool_allocator.free(slots[:prefix])
+    if isinstance(tree, HiRadixCache):
+        tree.check_hicache_events()  # the write-through ack, polled at the scheduler's next iteration
     return prefix
 
 
@@ -353,6 +355,8 @@ def test_load_back_needs_device_slots_first_and_is_all_or_nothing() -> None:
     assert store.verify("device", loaded, prefix_keys(seq(1, 20)))
     m2 = tree.match_prefix(seq(1, 20))
     assert (m2.device_indices, m2.host_hit_length) == (loaded, 0)
+    assert tree.protected_size() == 20  # locked until the load ack is polled
+    tree.check_hicache_events()
     assert tree.evictable_size() == 20 and tree.load_back_tokens_total == 20
     check_tree_invariants(tree, [])
 
@@ -801,6 +805,8 @@ def test_tree_invariants_under_random_operations(ops: list[tuple], page_size: in
                 locks.append(m.last_device_node)
         elif name == "unlock" and locks:
             tree.dec_lock_ref(locks.pop(op[1] % len(locks)))
+            if isinstance(tree, HiRadixCache):
+                tree.check_hicache_events()
         elif name == "evict":
             ev, avail = tree.evictable_size(), allocator.available_size()
             freed = tree.evict(op[1])
@@ -820,7 +826,8 @@ def test_tree_invariants_under_random_operations(ops: list[tuple], page_size: in
                     assert store.verify("device", after.device_indices, prefix_keys(key[:n]))
         elif name == "evict_host" and isinstance(tree, HiRadixCache):
             tree.evict_host(op[1])
-        slots_owned = check_tree_invariants(tree, locks)
+        pending = tree.ongoing_write_through + tree.ongoing_load_back if isinstance(tree, HiRadixCache) else []
+        slots_owned = check_tree_invariants(tree, locks + pending)  # a copy awaiting its ack holds a lock
         assert all(c == 1 for c in slots_owned.values())
         assert len(slots_owned) + allocator.available_size() == 32
         assert tree.evictable_size() + tree.protected_size() == tree.total_size()

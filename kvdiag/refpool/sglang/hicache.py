@@ -15,8 +15,18 @@ Mirrors the classic ``mem_cache/hiradix_cache.py: HiRadixCache`` and the 0.5.23 
   least ``load_back_threshold`` (10) tokens, and only all together: device slots for *all* of
   them are allocated first (evicting the device shortfall) or nothing is loaded.
 
-Copies are synchronous here (SGLang's are asynchronous and hold a lock until acknowledged; within
-one simulated step that transient lock is invisible to the pool counters).
+* Host duplicates (write_back): a node on device *and* host (loaded back, recomputed over its
+  host copy, or split from one) holds its host copy only as a spare. Host pressure under
+  write_back first reclaims those copies (``unified_tree_core._reclaim_full_host_duplicates``),
+  in the order they became duplicates, sparing evictable device leaves in a first pass (they are
+  about to be demoted onto that copy), and only then deletes host-only leaves.
+* Acknowledgements. SGLang copies asynchronously and a copy's node stays locked (protected) until
+  its ack is polled (``check_hicache_events``, at the top of every scheduler iteration): a
+  write-through backup from the node's insert, a load back from its admission. Here the bytes
+  move at once and every ack is ready by the next poll, so ``check_hicache_events`` releases
+  all those locks, as 0.5.23 does when each transfer completes within its step. write_back's
+  eviction-time backup is synchronous in SGLang too (``backup_node_for_write_back`` waits for
+  its ack) and holds no lock.
 """
 
 from __future__ import annotations
@@ -95,6 +105,72 @@ class HiRadixCache(RadixCache):
         self.backup_tokens_total = 0  # sglang:hicache_backup_tokens_total
         self.load_back_tokens_total = 0  # sglang:load_back_tokens_total
         self.dropped_tokens_total = 0  # sglang:hicache_dropped_tokens_total (device tokens lost)
+        self.ongoing_write_through: list[TreeNode] = []  # locked until their ack is polled
+        self.ongoing_load_back: list[TreeNode] = []  # anchors (deepest loaded node)
+        self._loading: dict[TreeNode, TreeNode] = {}  # node -> anchor of its load awaiting the ack
+        # write_back's reclaimable host copies, in registration order; entries go stale lazily
+        # (a demoted or released node stays listed until a reclaim walk sweeps it)
+        self.host_duplicates: dict[int, TreeNode] = {}
+
+    def check_hicache_events(self) -> None:
+        """Poll the acks (``writing_check`` / ``loading_check``): every copy issued so far has
+        completed, so each node locked for one is unlocked; a loaded node becomes a host
+        duplicate, deepest first (``finish_load_back`` walks from the anchor to the root)."""
+        for node in self.ongoing_write_through:
+            self.dec_lock_ref(node)
+        for anchor in self.ongoing_load_back:
+            self.dec_lock_ref(anchor)
+            node: TreeNode | None = anchor
+            while node is not None and node is not self.root_node:
+                if self._loading.get(node) is anchor:
+                    del self._loading[node]
+                    self._track_duplicate(node)
+                node = node.parent
+        self.ongoing_write_through = []
+        self.ongoing_load_back = []
+
+    # ----------------------------------------------------------------- host duplicates
+    def _track_duplicate(self, node: TreeNode) -> None:
+        """``_update_duplicate_tracking``: register a settled duplicate (kept in its first place),
+        drop anything else."""
+        if self.write_policy != "write_back":
+            return  # only write_back reclaims them
+        if not node.evicted and node.backuped and node not in self._loading:
+            self.host_duplicates.setdefault(node.id, node)
+        else:
+            self.host_duplicates.pop(node.id, None)
+
+    def _reclaim_host_duplicates(self, num_tokens: int) -> int:
+        """Free up to ``num_tokens`` host slots from duplicates (whole nodes, so it may overshoot)."""
+        freed = 0
+        swept: list[int] = []
+        for spare_device_leaves in (True, False):
+            for node in list(self.host_duplicates.values()):
+                if freed >= num_tokens:
+                    break
+                if node.evicted or not node.backuped:
+                    swept.append(node.id)  # stale
+                    continue
+                if spare_device_leaves and node in self.evictable_leaves:
+                    continue
+                if node in self._loading or node.host_ref_counter > 0:
+                    continue
+                self.token_to_kv_pool_host.free(node.host_value)  # type: ignore[arg-type]
+                freed += len(node.host_value)  # type: ignore[arg-type]
+                node.host_value = None
+                swept.append(node.id)
+            if freed >= num_tokens:
+                break
+        for node_id in swept:
+            self.host_duplicates.pop(node_id, None)
+        return freed
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        new_node = super()._split_node(child, split_len)
+        if child in self._loading:
+            self._loading[new_node] = self._loading[child]
+        self._track_duplicate(new_node)
+        return new_node
 
     # ----------------------------------------------------------------- write (D -> H)
     def write_backup(self, node: TreeNode) -> bool:
@@ -102,8 +178,8 @@ class HiRadixCache(RadixCache):
         assert node.value is not None and node.host_value is None
         n = len(node.value)
         host_indices = self.token_to_kv_pool_host.alloc(n)
-        if host_indices is None:
-            self.evict_host(n)
+        if host_indices is None:  # evict only the host shortfall (_execute_kv_backup)
+            self.evict_host(n - self.token_to_kv_pool_host.available_size())
             host_indices = self.token_to_kv_pool_host.alloc(n)
         if host_indices is None:
             return False
@@ -117,8 +193,9 @@ class HiRadixCache(RadixCache):
         if self.write_policy == "write_back":
             return
         node.hit_count += 1
-        if not node.backuped and node.hit_count >= self.write_through_threshold:
-            self.write_backup(node)
+        if not node.backuped and node.hit_count >= self.write_through_threshold and self.write_backup(node):
+            self.inc_lock_ref(node)  # protected until the write ack is polled
+            self.ongoing_write_through.append(node)
 
     def _insert_matched(self, node: TreeNode, value: list[int]) -> int:
         """A host-only node on an insert path takes the inserting request's fresh slots.
@@ -132,6 +209,7 @@ class HiRadixCache(RadixCache):
             self.evictable_size_ += len(value)
             self._update_leaf_status(node)
             self._update_leaf_status(node.parent)  # type: ignore[arg-type]
+            self._track_duplicate(node)  # recomputed over its host copy
             return 0
         self._inc_hit_count(node)
         return len(node.key)
@@ -142,8 +220,8 @@ class HiRadixCache(RadixCache):
     # ----------------------------------------------------------------- eviction
     def _evict_leaf(self, x: TreeNode) -> int:
         """Device eviction of one leaf: demote if backed up (write_back backs up first), else drop."""
-        if not x.backuped and self.write_policy == "write_back":
-            self.write_backup(x)
+        if not x.backuped and self.write_policy == "write_back" and self.write_backup(x):
+            self._track_duplicate(x)  # at its (immediate) ack; stale once demoted below
         if x.backuped:
             return self._demote(x)
         return self._drop_subtree(x)
@@ -172,10 +250,11 @@ class HiRadixCache(RadixCache):
         return super()._evict_leaf(x)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free host slots by deleting host-only leaves, least recently used first."""
+        """Free host slots (write_back: duplicates first), then delete host-only leaves, least
+        recently used first."""
+        num_evicted = self._reclaim_host_duplicates(num_tokens) if self.write_policy == "write_back" else 0
         heap = [(n.last_access_time, n.id, n) for n in self.evictable_host_leaves]
         heapq.heapify(heap)
-        num_evicted = 0
         while num_evicted < num_tokens and heap:
             _, _, x = heapq.heappop(heap)
             if x.host_ref_counter > 0:
@@ -190,6 +269,7 @@ class HiRadixCache(RadixCache):
 
     def _delete_leaf(self, x: TreeNode) -> None:
         self.evictable_host_leaves.discard(x)
+        self.host_duplicates.pop(x.id, None)
         super()._delete_leaf(x)
 
     def _update_leaf_status(self, node: TreeNode) -> None:
@@ -233,6 +313,10 @@ class HiRadixCache(RadixCache):
             self.evictable_size_ += len(n.value)
         for n in (ancestor, *nodes_to_load):
             self._update_leaf_status(n)
+        self.inc_lock_ref(last_host_node)  # protected until the load ack is polled
+        self.ongoing_load_back.append(last_host_node)
+        for n in nodes_to_load:
+            self._loading[n] = last_host_node
         self.load_back_tokens_total += len(device_indices)
         return device_indices
 

@@ -93,7 +93,10 @@ def check_scheduler_invariants(s: SGLangScheduler) -> None:
     holders += [r for r in s.last_batch if not r.finished]
     if s.chunked_req is not None and s.chunked_req not in holders:
         holders.append(s.chunked_req)
-    slots = check_tree_invariants(tree, [r.last_node for r in holders if r.last_node is not None])
+    locks = [r.last_node for r in holders if r.last_node is not None]
+    if isinstance(tree, HiRadixCache):  # copies awaiting their ack hold a lock too
+        locks += tree.ongoing_write_through + tree.ongoing_load_back
+    slots = check_tree_invariants(tree, locks)
     private = 0
     for r in holders:
         _require(r.last_node is not None, f"{r.sim.rid} holds KV but no lock")

@@ -139,6 +139,8 @@ class SGLangScheduler:
         before = self._l2_counters()
         for _ in range(2):  # an idle iteration costs no forward time: retry admission once
             plan.blocked_on_kv = plan.blocked_other = False
+            if isinstance(self.tree_cache, HiRadixCache):  # _process_hicache_events, before the stash
+                self.tree_cache.check_hicache_events()
             if self._stash_chunked:  # stash_chunked_request, first thing of get_next_batch_to_run
                 assert self.chunked_req is not None
                 checkpoint_kv_cache(self.chunked_req, self.tree_cache)
@@ -415,6 +417,8 @@ class SGLangScheduler:
         self.running_batch = []
         self.batch_is_full = False
         self.ratio.reset()
+        if isinstance(self.tree_cache, HiRadixCache):  # the idle iteration polls the acks too
+            self.tree_cache.check_hicache_events()
         if self.debug:
             idle_total = self.allocator.available_size() + self.tree_cache.evictable_size()
             assert idle_total == self.max_total_num_tokens, f"idle pool leak: {idle_total}"
