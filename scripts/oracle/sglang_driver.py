@@ -54,10 +54,54 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # 
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.l2_transfer import L2TransferEngine, TransferCompletion  # noqa: E402
+from sglang.srt.mem_cache.pool_host import common as host_common  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_parallel, publish  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+
+class HostTransfers:
+    """Tokens each direction was asked to move (``sglang:hicache_backup_tokens_total``,
+    ``sglang:load_back_tokens_total``) by the stand-ins below."""
+
+    backup_tokens = 0
+    load_back_tokens = 0
+
+
+def _done() -> TransferCompletion:
+    return TransferCompletion(torch.cpu.Event(), torch.cpu.Event(), False)
+
+
+def device_to_host(engine: L2TransferEngine, transfers: list[Any]) -> TransferCompletion:
+    """Stands for ``L2TransferEngine.submit_device_to_host``. With ``host_to_device``, the only
+    HiCache code that moves bytes (CUDA copies on streams): nothing is copied and the completion's
+    events are already done (``torch.cpu.Event``), so every ack is ready at the next
+    ``check_hicache_events``. What is written, loaded, evicted and when each ack is taken stays
+    SGLang's."""
+    HostTransfers.backup_tokens += sum(len(t.device_indices) for t in transfers)
+    return _done()
+
+
+def host_to_device(
+    engine: L2TransferEngine, transfers: list[Any], *, transfer_layer_id_max: int, start_event: Any = None,
+    on_layer_done: Any = None,
+) -> TransferCompletion:  # fmt: skip
+    """Stands for ``L2TransferEngine.submit_host_to_device`` (see ``device_to_host``); every layer
+    is reported loaded."""
+    HostTransfers.load_back_tokens += sum(len(t.device_indices) for t in transfers)
+    for layer in range(transfer_layer_id_max):
+        if on_layer_done is not None:
+            on_layer_done(layer)
+    return _done()
+
+
+L2TransferEngine.submit_device_to_host = device_to_host  # type: ignore[method-assign]
+L2TransferEngine.submit_host_to_device = host_to_device  # type: ignore[method-assign]
+# Page-locking the host pool (cudaHostRegister) needs CUDA; an unpinned CPU buffer holds the same slots.
+host_common._cuda_host_register = lambda buffer, granularity=None: None
 
 
 class OracleScheduler(Scheduler):
@@ -70,6 +114,18 @@ class OracleScheduler(Scheduler):
 ARGS: list[ServerArgs] = []  # the args published for the story being run
 
 
+def hicache_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """HiCache server args for a story with ``hicache_write_policy`` (host pool in cache mode,
+    ``hicache_ratio`` x L1; direct IO over a layer-first host layout, the CPU-indexable pair)."""
+    if not cfg.get("hicache_write_policy"):
+        return {}
+    return {
+        "enable_hierarchical_cache": True, "hicache_ratio": cfg["hicache_ratio"],
+        "hicache_write_policy": cfg["hicache_write_policy"], "hicache_io_backend": "direct",
+        "hicache_mem_layout": "layer_first",
+    }  # fmt: skip
+
+
 def publish_args(model_dir: str, cfg: dict[str, Any]) -> None:
     """The published server args the scheduler's config bags read (``runtime_context``)."""
     args = ServerArgs(
@@ -77,6 +133,7 @@ def publish_args(model_dir: str, cfg: dict[str, Any]) -> None:
         chunked_prefill_size=cfg["chunked_prefill_size"], max_prefill_tokens=cfg["max_prefill_tokens"],
         schedule_conservativeness=cfg["schedule_conservativeness"], max_running_requests=cfg["max_running_requests"],
         max_total_tokens=cfg["max_total_num_tokens"], context_length=cfg["context_len"], schedule_policy="fcfs",
+        **hicache_args(cfg),
     )  # fmt: skip
     publish(args, role="scheduler")
     ARGS[:] = [args]
@@ -107,7 +164,12 @@ def build(cfg: dict[str, Any]) -> OracleScheduler:
     s.token_to_kv_pool_allocator = (
         alloc_cls(size, torch.float16, "cpu", kv, False) if page == 1 else alloc_cls(size, page, torch.float16, "cpu", kv, False)
     )
-    s.tree_cache = RadixCache(CacheInitParams(False, s.req_to_token_pool, s.token_to_kv_pool_allocator, page))
+    # 0.5.23's default tree (registry.create_unified_radix_cache): the unified tree, full attention only
+    params = CacheInitParams(False, s.req_to_token_pool, s.token_to_kv_pool_allocator, page, tree_components=(ComponentType.FULL,))
+    s.tree_cache = UnifiedRadixCache(params)
+    s.enable_hierarchical_cache = bool(cfg.get("hicache_write_policy"))
+    if s.enable_hierarchical_cache:  # host pool and HybridCacheController, as create_unified_radix_cache does
+        s.tree_cache.init_hicache(ARGS[0], params)
     s.policy = SchedulePolicy("fcfs", s.tree_cache, False, False, False)
     s.waiting_queue = []
     s.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
@@ -131,7 +193,7 @@ def build(cfg: dict[str, Any]) -> OracleScheduler:
     s.abort_on_priority_when_disabled = False
     s.schedule_low_priority_values_first = False
     s.priority_scheduling_preemption_threshold = 10
-    s.enable_hierarchical_cache = s.enable_hicache_storage = s.enable_lmcache = s.enable_hisparse = False
+    s.enable_hicache_storage = s.enable_lmcache = s.enable_hisparse = False
     s.enable_unified_cache_external_linker = s.enable_unified_memory = s.enable_lora = False
     s.is_hybrid_swa = False
     s.sliding_window_size = None
@@ -187,9 +249,19 @@ def build(cfg: dict[str, Any]) -> OracleScheduler:
     return s
 
 
+def hicache_state(s: OracleScheduler) -> dict[str, int]:
+    """Host tokens in use, and the cumulative tokens backed up (D->H) and loaded back (H->D)."""
+    host = s.tree_cache.cache_controller.mem_pool_host
+    return {
+        "host_used": host.size - host.available_size(), "backup_tokens": HostTransfers.backup_tokens,
+        "load_back_tokens": HostTransfers.load_back_tokens,
+    }  # fmt: skip
+
+
 def run_story(story: dict[str, Any]) -> None:
     cfg = story["config"]
     s = build(cfg)
+    HostTransfers.backup_tokens = HostTransfers.load_back_tokens = 0
     arrivals: dict[int, list[dict[str, Any]]] = {}
     for r in story["requests"]:
         arrivals.setdefault(r["step"], []).append(r)
@@ -242,6 +314,7 @@ def run_story(story: dict[str, Any]) -> None:
             "protected": tree.protected_size(), "retractions": retractions,
             "new_token_ratio": round(s.new_token_ratio_tracker.current, 12),
             "prefix_hits": hits, "prefill_inputs": inputs, "scheduled": scheduled, "slots": slots,
+            **(hicache_state(s) if s.enable_hierarchical_cache else {}),
         }))  # fmt: skip
         step += 1
 

@@ -170,6 +170,12 @@ SGLANG_STORIES = [
     Story("retractions", sglang_config(schedule_conservativeness=0.1), make_requests(21, 24, 1, (20, 60), (150, 300))),
     Story("ignore_eos", sglang_config(ignore_eos=True), make_requests(19, 30, 2, (30, 120), (20, 90))),
     Story("page_size_16", sglang_config(page_size=16, max_total_num_tokens=1600), make_requests(20, 30, 2, (30, 120), (20, 90))),
+    # HiCache: six 160-token prefixes outgrow L1 (1200 tokens) but fit L2 (2x): each group's
+    # prefix is demoted to host before the group comes round again and is loaded back.
+    Story("hicache_write_through", sglang_config(hicache_write_policy="write_through", hicache_ratio=2.0),
+          make_prefix_groups(22, 36, 3, 6, 160, (10, 60), (10, 40))),
+    Story("hicache_write_back", sglang_config(hicache_write_policy="write_back", hicache_ratio=2.0),
+          make_prefix_groups(23, 36, 3, 6, 160, (10, 60), (10, 40))),
 ]  # fmt: skip
 
 
@@ -178,7 +184,9 @@ def sglang_reference(story: Story) -> Iterator[dict[str, Any]]:
     c = story.config
     s = SGLangScheduler(
         c["max_total_num_tokens"], c["page_size"], c["max_running_requests"], c["context_len"],
-        c["chunked_prefill_size"], c["max_prefill_tokens"], c["schedule_conservativeness"], debug=True,
+        c["chunked_prefill_size"], c["max_prefill_tokens"], c["schedule_conservativeness"],
+        enable_hierarchical_cache=bool(c.get("hicache_write_policy")), hicache_ratio=c.get("hicache_ratio", 2.0),
+        hicache_write_policy=c.get("hicache_write_policy", "write_through"), debug=True,
     )  # fmt: skip
 
     def before(plan: StepPlan) -> dict[str, Any]:
@@ -195,6 +203,10 @@ def sglang_reference(story: Story) -> Iterator[dict[str, Any]]:
             "protected": st.kv_protected_tokens, "retractions": st.num_retracted_requests_total,
             "new_token_ratio": round(st.new_token_ratio, 12),
             "prefix_hits": st.prefill_cache_tokens_total, "prefill_inputs": st.prefill_compute_tokens_total,
+            **({
+                "host_used": st.hicache_host_used_tokens, "backup_tokens": st.hicache_backup_tokens_total,
+                "load_back_tokens": st.load_back_tokens_total,
+            } if c.get("hicache_write_policy") else {}),
         }  # fmt: skip
 
     return drive(story, s, c["ignore_eos"], before, after)
