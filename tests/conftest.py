@@ -10,6 +10,8 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tests.scenario_recordings import Recording, newest, record_all
+
 SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 SGLANG_FIXTURE = "sglang-0.5.23-midload.prom"
 VLLM_FIXTURE = "vllm-0.33.0-midload.prom"
@@ -38,6 +40,17 @@ def shared_fixture(name: str) -> Path:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+@pytest.fixture(scope="session")
+def scenario_recordings() -> list[Recording]:
+    """The scenario catalogue on both engines in every dialect, simulated once per session."""
+    return record_all()
+
+
+@pytest.fixture(scope="session")
+def newest_recordings(scenario_recordings: list[Recording]) -> list[Recording]:
+    return newest(scenario_recordings)
 
 
 @pytest.fixture

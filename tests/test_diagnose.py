@@ -42,7 +42,7 @@ def test_json_shape_and_exit_code_for_a_bottleneck(tmp_path: Path, capsys: pytes
     # 59 over the 295 s the samples span, extrapolated to the 300 s window as PromQL's increase() does
     assert ev["increase"] == 60 and ev["span"]["seconds"] == 295 and ev["span"]["samples"] == 60
     assert inst["checks"]["l2_underused"]["missing"] == ["l2_capacity_tokens", "l2_hit_tokens_total"]
-    assert inst["figures"]["ceiling"] == 57 and inst["window"]["samples"] == 60
+    assert inst["figures"]["ceiling"] == 179 and inst["window"]["samples"] == 60
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture[str], mon
     monkeypatch.setenv("COLUMNS", "220")
     assert cli.main(["diagnose", "--replay", rec(tmp_path, "b", "vllm", **BOTTLENECK)]) == 2
     out = capsys.readouterr().out
-    for needle in ("l1_kv_bottleneck", "evictions_growing", "60 evictions", "--max-num-seqs 57", "concurrency_not_cache", "60 samples"):
+    for needle in ("l1_kv_bottleneck", "evictions_growing", "60 evictions", "--max-num-seqs 47", "concurrency_not_cache", "60 samples"):
         assert needle in out
 
 

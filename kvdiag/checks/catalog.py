@@ -278,14 +278,16 @@ REMEDIES = {
     r.name: r
     for r in (
         RemedySpec("ceiling",
-                   "Concurrency ceiling: {pool_tokens:,} pool tokens / {avg_len:,} tokens per request (input + output) "
-                   "= {ceiling:,} concurrent requests; {running_peak:,} were running at the window's peak.",
-                   "Concurrency ceiling = pool tokens / average sequence length (input + output); compare it with the running count."),
+                   "Concurrency ceiling: ({pool_tokens:,} pool tokens - {shared_tokens:,} shared prefix tokens, held once) / "
+                   "{private_len:,} private tokens per request (uncached input + output) = {ceiling:,} requests at their "
+                   "full length; {running_peak:,} ran at the window's peak{running_note}.",
+                   "Concurrency ceiling = (pool tokens - the shared prefix, held once) / private tokens per request "
+                   "(uncached input + output); compare it with the running count."),
         RemedySpec("admission_limit",
-                   "Admission limit: {admission_limit} {ceiling} keeps the running requests' KV within the pool at the "
-                   "observed {avg_len:,} tokens per request, so requests queue instead of being evicted and recomputed.",
-                   "Admission limit: cap {admission_limit} at pool tokens / average sequence length, so requests queue "
-                   "instead of being evicted and recomputed."),
+                   "Admission limit: {admission_limit} {limit}, {limit_reason}.",
+                   "Admission limit: cap {admission_limit} at (pool tokens - the shared prefix) / private tokens per "
+                   "request, and never below the running count seen without evictions, so requests queue instead of "
+                   "being evicted and recomputed."),
         RemedySpec("fp8_kv",
                    "FP8 KV cache ({kv_dtype_fp8}): half the bytes per token of a bf16/fp16 KV cache, about "
                    "{fp8_pool_tokens:,} pool tokens and a ceiling of {fp8_ceiling:,} at the observed lengths.",
@@ -312,10 +314,9 @@ REMEDIES = {
                    "P99 TTFT is high with the pool fine: look at prefill compute (prompt lengths, chunked-prefill size, "
                    "the batch token budget), not at the KV cache."),
         RemedySpec("watch_evictions",
-                   "Evictions without a pinned pool: if they recur, cap {admission_limit} at {ceiling:,} (pool tokens / "
-                   "{avg_len:,} tokens per request).",
-                   "Evictions without a pinned pool: if they recur, cap {admission_limit} at pool tokens / average "
-                   "sequence length."),
+                   "Evictions without a pinned pool: if they recur, cap {admission_limit} at {limit:,}, {limit_reason}.",
+                   "Evictions without a pinned pool: if they recur, cap {admission_limit} at (pool tokens - the shared "
+                   "prefix) / private tokens per request."),
         RemedySpec("decide_unknown",
                    "Get the signals the verdict needs: {unknown_hints}",
                    "Get the signals the verdict needs: turn the engine's metrics on ({enable_hint}) and diagnose "

@@ -235,8 +235,9 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
         f'label_replace({usage} * on ({", ".join(lbl.key)}) {capacity}, "state", "used", "__name__", ".*")',
     ), "instance:kvdiag_kv_pool:tokens", "KV pool tokens by state (used | evictable | available), as reported")
 
-    # Tokens per finished request (input, output, their sum) and the concurrency ceiling the
-    # sum implies: pool tokens / average sequence length.
+    # Tokens per finished request (input, output, their sum) and the concurrency ceiling of the
+    # private footprint (kvdiag/checks/remedies.py): the cached share of the prompt is a shared
+    # prefix, held once, so (pool - shared) / (input + output - shared).
     def per_request(family: str) -> str:
         return first(
             broadcast(lbl, f"{summed_rate(lbl, S + family, w, partitions=STREAM)}"
@@ -251,8 +252,12 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
                      "output tokens per finished request")
     seq = add(None, f"{prompt_avg} + {output_avg}", f"instance:kvdiag_sequence_tokens:avg{w}",
               "average input + output tokens per finished request")
-    add(None, f"{capacity} / ({seq} > 0)", f"instance:kvdiag_concurrency_ceiling:requests{w}",
-        "concurrency ceiling: pool tokens / average sequence length")
+    hit_ratio = _catalog("instance:kvdiag_prefix_hit:ratio{window}", config)[0]
+    shared = add(None, f"({prompt_avg} * {hit_ratio} or 0 * {prompt_avg})", f"instance:kvdiag_shared_prefix_tokens:avg{w}",
+                 "cached prompt tokens per finished request (prompt x hit ratio): a shared prefix, held once")
+    add(None, f"floor(clamp_min({capacity} - {shared}, 0) / (({seq} - {shared}) > 0))",
+        f"instance:kvdiag_concurrency_ceiling:requests{w}",
+        "concurrency ceiling: (pool tokens - the shared prefix) / private tokens per request (uncached input + output)")
 
     # Admission usage (kvdiag/checks/admission.py): usage + what the next admission needs, the
     # uncached prompt, and where the engine reserves output (SGLang's new_token_ratio) the next

@@ -6,15 +6,21 @@ stdin. The full Scheduler is a ZMQ process; like SGLang's CPU unit tests, this b
 ``Scheduler.__new__`` and sets only the attributes the methods it runs read (values as
 ``Scheduler.__init__`` would set them from the published server args), over the real
 ``TokenToKVPoolAllocator`` (``PagedTokenToKVPoolAllocator`` for page_size > 1) on a small CPU
-``MHATokenToKVPool``, ``ReqToTokenPool``, ``RadixCache``, ``SchedulePolicy`` and real ``Req``
-objects (``init_req_max_new_tokens``, ``_add_request_to_queue``). Each step is one iteration
+``MHATokenToKVPool``, ``ReqToTokenPool``, the ``UnifiedRadixCache`` 0.5.23 builds by default
+(``mem_cache/registry.py``; full attention only), ``SchedulePolicy`` and real ``Req`` objects
+(``init_req_max_new_tokens``, ``_add_request_to_queue``). A story with ``hicache_write_policy``
+also runs the tree's own ``init_hicache``: the ``MHATokenToKVPoolHost`` host pool on CPU and the
+``HybridCacheController`` (direct IO, layer-first layout), so backups, host eviction, load backs
+and their acks (``check_hicache_events`` at the top of each iteration) are SGLang's. Each step is one iteration
 of ``event_loop_normal`` (overlap off): ``get_next_batch_to_run`` (merge, filter,
 ``get_new_batch_prefill`` with ``PrefillAdder``, ``update_running_batch`` with
 ``check_decode_mem`` / ``retract_decode`` and the new_token_ratio update), then
 ``process_batch_result`` with the trace's next output token per request, or ``on_idle``.
 
 Replaced: the forward (the trace's tokens), output streaming, load publishing and metrics
-reporting (no-ops). Stand-in modules (``stubs.py``), none of which take part in admission,
+reporting (no-ops); for HiCache, the two byte-moving calls ``L2TransferEngine.submit_device_to_host``
+/ ``submit_host_to_device`` (CUDA copies on streams: nothing is copied and each completion is
+already done, so every ack is taken at the next poll) and ``cudaHostRegister`` of the host buffer. Stand-in modules (``stubs.py``), none of which take part in admission,
 retraction or accounting: ``triton`` (kernels; no launch on this path), ``torchvision`` (its
 wheel fails beside the CPU torch), ``setproctitle`` and ``uvicorn`` (process title, HTTP
 server).

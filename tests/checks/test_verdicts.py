@@ -43,12 +43,14 @@ def test_bottleneck_with_numbers_and_knobs(engine: str) -> None:
     assert ev.values["increase"] == pytest.approx(59 * 300 / 295) and ev.samples == 60 and ev.end - ev.start == 295
     ttft = d.checks["ttft_p99_high"].evidence.values
     assert (ttft["bucket_lower"], ttft["bucket_upper"]) == (10.0, 20.0) and 10 < ttft["estimate_seconds"] <= 20
-    # The ceiling: 200,000 pool tokens / (3,000 + 500) tokens per request.
-    assert d.figures["ceiling"] == 57 and d.figures["avg_len"] == 3500 and d.figures["running_peak"] == 48
-    limit = {"sglang": "--max-running-requests 57", "vllm": "--max-num-seqs 57"}[engine]
+    # The ceiling: (200,000 pool tokens - 2,400 cached prompt tokens, held once) / (600 uncached + 500 output)
+    # per request; every interval evicted with 48 running, so the limit stays below 48.
+    assert d.figures["ceiling"] == 179 and d.figures["private_len"] == 1100 and d.figures["running_peak"] == 48
+    assert d.figures["limit"] == 47 and d.figures["running_evicted_at"] == 48
+    limit = {"sglang": "--max-running-requests 47", "vllm": "--max-num-seqs 47"}[engine]
     fp8 = {"sglang": "--kv-cache-dtype fp8_e4m3", "vllm": "--kv-cache-dtype fp8"}[engine]
     text = "\n".join(d.remedies)
-    assert limit in text and fp8 in text and "400,000 pool tokens" in text and "ceiling of 114" in text
+    assert limit in text and fp8 in text and "400,000 pool tokens" in text and "ceiling of 361" in text
     assert "cannot fix P99" in text
 
 

@@ -14,7 +14,8 @@ The steps start at the second scrape: a single exposition is a point-in-time ans
 (lifetime counters) and nothing in PromQL, where every rate needs two samples.
 
 All groups go to one ``promtool test rules`` run. What it adds to CI: the catalogue's
-simulations (~30-40 s of CPU), the Python checks at each step and the promtool run.
+simulations (~30-40 s of CPU, shared with the other tests that judge the catalogue:
+``tests/scenario_recordings.py``), the Python checks at each step and the promtool run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import math
 import subprocess
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,50 +36,19 @@ from kvdiag.checks.verdict import decide
 from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import PoolSample, Scrape
-from kvdiag.refpool import emit
 from kvdiag.refpool.emit import content_type
-from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, ScenarioRun
+from kvdiag.refpool.scenarios import ENGINES, SCENARIOS
 from kvdiag.refpool.sim import EPOCH
 from kvdiag.render import RULES_ALERTS, RULES_RECORDING
 from kvdiag.window import Window
 from tests.mixin.conftest import ROOT, need
 from tests.mixin.test_promtool import _without_annotations
+from tests.scenario_recordings import INTERVAL, Recording, dialects
 
-INTERVAL = 15.0
-DIALECTS = {"sglang": emit.SGLANG_DIALECTS, "vllm": emit.VLLM_DIALECTS}
 VERDICT_ALERTS = "|".join(v.alert for v in VERDICTS.values() if v.alert)
 STATUS_QUERY = "sum by (check, engine, dp_rank) (instance:kvdiag_check:status)"
 VERDICT_QUERY = f'group by (alertname, engine, dp_rank) (ALERTS{{alertname=~"{VERDICT_ALERTS}"}})'
 CONFIG = Config()
-
-
-@dataclass(frozen=True)
-class Recording:
-    name: str
-    engine: str
-    bodies: tuple[str, ...]  # one exposition per scrape, INTERVAL apart, the first at INTERVAL
-
-
-def dialects(name: str, engine: str) -> tuple[str, ...]:
-    """The releases that can serve the scenario: vLLM V0 (before 0.8) has no engine label, so no
-    data-parallel engines."""
-    if engine == "vllm" and SCENARIOS[name].dp > 1:
-        return tuple(d for d in DIALECTS[engine] if tuple(map(int, d.split("."))) >= (0, 8))
-    return DIALECTS[engine]
-
-
-def _record(job: tuple[str, str]) -> list[Recording]:
-    """One scenario on one engine, rendered in every dialect of that engine at every scrape."""
-    name, engine = job
-    run = ScenarioRun(SCENARIOS[name], engine)
-    bodies: dict[str, list[str]] = {d: [] for d in dialects(name, engine)}
-    k = 1
-    while k * INTERVAL <= run.scenario.duration + 1e-9:
-        run.advance(k * INTERVAL)
-        for d in bodies:
-            bodies[d].append(run.exposition(d))
-        k += 1
-    return [Recording(f"{name} {engine} {d}", engine, tuple(b)) for d, b in bodies.items()]
 
 
 def _value(v: float) -> str:
@@ -160,16 +129,11 @@ def _group(rec: Recording) -> dict:
     }
 
 
-def _groups(job: tuple[str, str]) -> list[dict]:
-    return [_group(rec) for rec in _record(job)]
-
-
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def suite(tmp_path_factory: pytest.TempPathFactory, scenario_recordings: list[Recording]) -> Path:
     tmp = tmp_path_factory.mktemp("differential")
-    jobs = [(name, engine) for name in SCENARIOS for engine in ENGINES]
     with ProcessPoolExecutor(max_workers=2) as pool:
-        groups = [g for gs in pool.map(_groups, jobs) for g in gs]
+        groups = list(pool.map(_group, scenario_recordings, chunksize=4))
     alerts = _without_annotations(ROOT / RULES_ALERTS, tmp / "alerts.yaml")
     doc = {
         "rule_files": [str(ROOT / RULES_RECORDING), str(alerts)],
