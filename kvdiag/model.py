@@ -215,6 +215,8 @@ class PoolSample:
     ts: float
     model: str | None = None
     role: Role | None = None  # prefill / decode / unified where the series say it
+    # A KV tier's own exporter (no pool of its own): joins the engine instance of its model.
+    tier_only: bool = False
     # The pool. capacity in tokens; block_size/num_blocks where blocks are the source.
     capacity_tokens: float | None = None
     block_size: float | None = None

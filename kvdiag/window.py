@@ -13,6 +13,7 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 from typing import Iterable
+from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd
@@ -435,10 +436,66 @@ def _num(v: object) -> float:
     return float(v)  # type: ignore[arg-type]
 
 
-def windows(samples: Iterable[PoolSample], seconds: float | None = None) -> dict[str, Window]:
-    """Group samples by instance; keep only the last ``seconds`` of each when given."""
-    by_instance: dict[str, list[PoolSample]] = {}
+#: What a KV tier's own exporter (a ``tier_only`` sample) brings to the engine instance it joins;
+#: its hits and lookups are the tier's own count, so they replace what the engine attributes to
+#: host memory, and the rest fills what the engine does not report.
+TIER_COUNTS = ("l2_hit_tokens_total", "l2_query_tokens_total")
+TIER_FIELDS = TIER_COUNTS + ("l2_used_tokens", "l2_capacity_tokens", "l2_load_bytes_total", "l2_store_bytes_total",
+                             "l2_dropped_tokens_total", "l3_hit_tokens_total")
+#: A tier sample joins an engine scrape at most this far apart in time (one sampling round).
+JOIN_SECONDS = 60.0
+
+
+def join_tiers(samples: Iterable[PoolSample]) -> list[PoolSample]:
+    """Fold each tier-only sample into the engine samples of the same model (the nearest in
+    time, within ``JOIN_SECONDS``); a tier no engine instance serves stays its own instance, so
+    that it is reported (unknown: it has no pool) rather than lost."""
+    samples = list(samples)
+    tiers: dict[str | None, list[PoolSample]] = {}
     for s in samples:
+        if s.tier_only:
+            tiers.setdefault(s.model, []).append(s)
+    if not tiers:
+        return samples
+    joined: set[int] = set()
+    for s in samples:
+        if s.tier_only or s.model not in tiers:
+            continue
+        candidates = _same_host(s, tiers[s.model])
+        if not candidates:
+            continue
+        t = min(candidates, key=lambda x: abs(x.ts - s.ts))
+        if abs(t.ts - s.ts) > JOIN_SECONDS:
+            continue
+        joined.add(id(t))
+        for name in TIER_FIELDS:
+            v = getattr(t, name)
+            if v is not None and (name in TIER_COUNTS or getattr(s, name) is None):
+                src = t.provenance[name]
+                s.set(name, v, replace(src, note="; ".join(x for x in (src.note, f"joined by model from {t.instance.split(' ')[0]}") if x)))
+        s.l2_tier = t.l2_tier or s.l2_tier
+    return [s for s in samples if not s.tier_only or id(s) not in joined]
+
+
+def _host(instance: str) -> str | None:
+    return urlsplit(instance.split(" ")[0]).hostname
+
+
+def _same_host(engine: PoolSample, tiers: list[PoolSample]) -> list[PoolSample]:
+    """The tier samples that belong to this engine: those on its host; where none is, those of
+    the one tier target serving the model (several replicas' tiers elsewhere cannot be paired)."""
+    host = _host(engine.instance)
+    local = [t for t in tiers if _host(t.instance) == host]
+    if local:
+        return local
+    return tiers if len({t.instance for t in tiers}) == 1 else []
+
+
+def windows(samples: Iterable[PoolSample], seconds: float | None = None) -> dict[str, Window]:
+    """Group samples by instance (a KV tier's own samples joined to their engine instance,
+    ``join_tiers``); keep only the last ``seconds`` of each when given."""
+    by_instance: dict[str, list[PoolSample]] = {}
+    for s in join_tiers(samples):
         by_instance.setdefault(s.instance, []).append(s)
     out = {}
     for inst, group in by_instance.items():

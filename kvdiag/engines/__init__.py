@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kvdiag.engines import sglang, vllm
+from kvdiag.engines import lmcache, sglang, vllm
 from kvdiag.engines.base import Knobs
 from kvdiag.exposition import Exposition, Reader, scan_prefixes
 from kvdiag.model import PoolSample, Scrape
 
 ADAPTERS: dict[str, ModuleType] = {sglang.NAME: sglang, vllm.NAME: vllm}
+#: KV tiers with their own exporter (no pool of their own): read where no engine is, their
+#: samples join the engine instance of the same model (``kvdiag.window.windows``).
+TIERS: dict[str, ModuleType] = {lmcache.NAME: lmcache}
 
 #: One reader for every family any adapter wants, compiled once per process.
-READER = Reader(name for adapter in ADAPTERS.values() for name in adapter.WANTED)
+READER = Reader(name for adapter in (*ADAPTERS.values(), *TIERS.values()) for name in adapter.WANTED)
 
 
 class UnknownEngine(ValueError):
@@ -56,19 +59,25 @@ def enable_hint(engine: str) -> str:
 def detect(expo: Exposition, body: str | bytes = "", engine: str = "auto") -> ModuleType:
     """The adapter for this exposition, from its own signature metrics (never from labels).
 
-    ``engine`` may force an adapter ("sglang"/"vllm"); the exposition must still match it.
+    ``engine`` may force an adapter ("sglang"/"vllm"); the exposition must still match it. An
+    exposition with no engine but a KV tier's own series (LMCache) gets the tier's reader.
     """
     found = [a for a in ADAPTERS.values() if a.detect(expo)]
+    tiers = [t for t in TIERS.values() if t.detect(expo)]
     if engine != "auto":
         if engine not in ADAPTERS:
             raise UnknownEngine(f"unknown engine {engine!r}; expected one of {sorted(ADAPTERS)} or auto")
-        if ADAPTERS[engine] not in found:
-            raise UnknownEngine(f"no {engine} scheduler metrics in this exposition")
-        return ADAPTERS[engine]
+        if ADAPTERS[engine] in found:
+            return ADAPTERS[engine]
+        if not found and tiers:  # a KV tier's own exporter beside the engine: joined by model
+            return tiers[0]
+        raise UnknownEngine(f"no {engine} scheduler metrics in this exposition")
     if len(found) == 1:
         return found[0]
     if len(found) > 1:
         raise UnknownEngine("exposition holds both sglang and vllm scheduler metrics; scrape each engine on its own")
+    if tiers:
+        return tiers[0]
     prefixes = scan_prefixes(body) if body else []
     seen = f"; metric prefixes seen: {', '.join(prefixes)}" if prefixes else "; the body has no samples"
     raise UnknownEngine(

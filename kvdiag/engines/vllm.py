@@ -28,6 +28,7 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
 
 from __future__ import annotations
 
+from kvdiag.engines import lmcache
 from kvdiag.engines.base import (
     Instance,
     Knobs,
@@ -46,7 +47,7 @@ from kvdiag.model import KIND_ORDER, PoolSample, Provenance, Queue
 
 NAME = "vllm"
 P = "vllm:"
-LMCACHE = "lmcache:"
+LMCACHE = lmcache.P
 
 #: The KV-fetch stages of a consumer's connector, as the engine names them.
 FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
@@ -83,7 +84,7 @@ WANTED = SIGNATURE + (
     P + "kv_offload_store_bytes",
     P + "kv_offload_total_bytes",
     P + "kv_offload_config_info",
-) + tuple(LMCACHE + n for n in ("num_hit_tokens", "num_requested_tokens", "local_cache_usage"))
+) + lmcache.WANTED
 
 KNOBS = Knobs(
     admission_limit="--max-num-seqs",
@@ -194,23 +195,7 @@ def _tiers(expo: Exposition, ps: PoolSample, split: dict[str, str]) -> None:
         put(ps, "l2_store_bytes_total", P + "kv_offload_total_bytes", legacy, split, suffix="_total", select={"transfer_type": "GPU_to_CPU"})
     if ps.l2_load_bytes_total is not None or ps.l2_store_bytes_total is not None:
         ps.l2_tier = "vLLM CPU offloading"
-    _lmcache(expo, ps)
-
-
-def _lmcache(expo: Exposition, ps: PoolSample) -> None:
-    """LMCache's hits and lookups for this instance's model (``served_model_name``, else
-    ``model_name``); its workers (one per TP rank) count the same tokens, so the max is taken."""
-    hits = expo.get(LMCACHE + "num_hit_tokens")
-    if hits is None or ps.model is None:
-        return
-    for label in ("served_model_name", "model_name"):
-        select = {label: ps.model}
-        h = put(ps, "l2_hit_tokens_total", LMCACHE + "num_hit_tokens", hits, {}, suffix="_total", select=select, note="LMCache retrieve hits")
-        if h is not None:
-            put(ps, "l2_query_tokens_total", LMCACHE + "num_requested_tokens", expo.get(LMCACHE + "num_requested_tokens"), {},
-                suffix="_total", select=select, note="LMCache retrieve requests")
-            ps.l2_tier = "LMCache"
-            return
+    lmcache.read(expo, ps)
 
 
 def _label_number(fam: Family, split: dict[str, str], label: str) -> float | None:

@@ -3,12 +3,14 @@ committed rules (promtool, every 15 s step): a PD decode instance on each engine
 sliding-window model, HiCache, LMCache on vLLM's /metrics, and a usage gauge written per process.
 
 The expositions are written by prometheus_client under the engines' own names and labels
-(``tests/dialects.py``). What this adds to CI: six 21-scrape stories, one CLI run each and one
-promtool run over all of them (a few seconds).
+(``tests/dialects.py``). What this adds to CI: six 21-scrape stories, one CLI run each, the
+exporter's columnar window on four, and one promtool run over all six (about 10 s on 2 cores).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 from types import SimpleNamespace
@@ -19,10 +21,13 @@ import pytest
 import yaml
 
 from kvdiag import cli
+from kvdiag.checks import diagnose
+from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import Scrape
 from kvdiag.refpool.sim import EPOCH
 from kvdiag.render import RULES_ALERTS, RULES_RECORDING
+from kvdiag.server.ring import Ring
 from kvdiag.sources.recording import write_recording
 from kvdiag.window import windows
 from tests import dialects
@@ -60,15 +65,19 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return {story: _diagnose(path) for story, path in out.items()}
 
 
-def _diagnose(path: Path) -> dict:
-    import contextlib
-    import io
-
+def _instances(path: Path) -> list[dict]:
+    """``kvdiag diagnose --json --replay PATH``: its instances, each with the exit code."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = cli.main(["diagnose", "--json", "--replay", str(path)])
-    (inst,) = json.loads(buf.getvalue())["instances"]
-    inst["exit_code_cli"] = code
+    out = json.loads(buf.getvalue())["instances"]
+    for inst in out:
+        inst["exit_code_cli"] = code
+    return out
+
+
+def _diagnose(path: Path) -> dict:
+    (inst,) = _instances(path)
     return inst
 
 
@@ -173,3 +182,45 @@ def test_rules_equal_python_on_every_deployment(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(doc, sort_keys=False, width=100_000))
     out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-12000:] + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("story", ["sglang-decode", "vllm-decode", "sglang-swa", "vllm-two-writers"])
+def test_the_exporters_columnar_window_gives_the_same_answer(story: str, reports: dict[str, dict]) -> None:
+    """The exporter keeps columns, not samples (``server/ring.py``): the per-process usage is
+    resolved as each scrape arrives, and the verdict and evidence match the CLI's."""
+    ring = Ring(64)
+    for scrape in scrapes(story):
+        (sample,) = normalize_scrape(scrape)
+        ring.append(sample)
+    window = ring.window(ring.latest.instance)  # type: ignore[union-attr]
+    assert window is not None
+    d = diagnose(window, Config())
+    assert d.verdict.name == reports[story]["verdict"] and d.role == reports[story]["role"]
+    for check in ("kv_usage_saturated", "queue_growing"):
+        assert d.checks[check].evidence.summary == reports[story]["checks"][check]["evidence"]["summary"]
+
+
+def test_lmcache_on_its_own_target_joins_the_vllm_instance_of_its_model(tmp_path: Path) -> None:
+    """LMCache's own /metrics is a second target: its series join the vLLM instance serving the
+    same model on the same host; alone, it is reported, not lost, and says what it needs."""
+    def engine(i: int) -> str:
+        return dialects.expose(dialects.vllm_core(dialects.vllm_engine(), 0.97 + 0.01 * (i % 2), 48, 0, 3 * i))
+
+    def tier(i: int) -> str:
+        lm = {"model_name": dialects.VL_MODEL, "role": "worker", "served_model_name": dialects.VL_MODEL, "worker_id": "0"}
+        return dialects.expose([("lmcache:num_hit_tokens", "counter", lm, 2_000 * i), ("lmcache:num_requested_tokens", "counter", lm, 100_000 * i)])
+
+    both = []
+    for i in range(STEPS):
+        both.append(Scrape(EPOCH + (i + 1) * INTERVAL, "http://10.0.0.7:8000", None, engine(i)))
+        both.append(Scrape(EPOCH + (i + 1) * INTERVAL + 0.3, "http://10.0.0.7:6999", None, tier(i)))
+    path = tmp_path / "pair.jsonl.gz"
+    write_recording(path, both)
+    (d,) = _instances(path)
+    ev = d["checks"]["l2_underused"]["evidence"]
+    assert (d["checks"]["l2_underused"]["status"], ev["l2_tier"], ev["l2_hit_share"]) == ("firing", "LMCache", pytest.approx(0.02))
+    assert "joined by model from http://10.0.0.7:6999" in ev["sources"]["l2_hit_tokens_total"]
+    alone = tmp_path / "alone.jsonl.gz"
+    write_recording(alone, [s for s in both if s.target.endswith(":6999")])
+    (d,) = _instances(alone)
+    assert d["verdict"] == "unknown" and any("add that vLLM server as a target" in n for n in d["notes"])
