@@ -214,3 +214,87 @@ def test_every_escaping_scheme_reads_the_same_numbers(fixture: str, escaping: st
     for name in NUMERIC_FIELDS + HISTOGRAM_FIELDS + ("instance", "model", "labels"):
         assert getattr(got, name) == getattr(want, name), name
     assert {k: p.metric for k, p in got.provenance.items()} == {k: p.metric for k, p in want.provenance.items()}
+
+
+def _sglang_pd(engine_type: str | None, **queues: float) -> PoolSample:
+    from tests import dialects
+
+    lbl = dialects.sglang_scheduler(engine_type or "")
+    if engine_type is None:
+        del lbl["engine_type"]
+    old = queues.pop("old_bootstrap", None)
+    metrics = [("sglang:num_running_reqs", "gauge", lbl, 10), ("sglang:num_queue_reqs", "gauge", lbl, 2),
+               ("sglang:token_usage", "gauge", lbl, 0.5), *dialects.sglang_pd_queues(lbl, **queues)]
+    if old is not None:  # <= 0.5.11 named the bootstrap queue "prefill prealloc"
+        metrics = [m for m in metrics if m[0] != "sglang:num_prefill_bootstrap_queue_reqs"]
+        metrics.append(("sglang:num_prefill_prealloc_queue_reqs", "gauge", lbl, old))
+    [s] = _samples(dialects.expose(metrics))
+    return s
+
+
+def test_sglang_roles_and_their_queues() -> None:
+    prefill = _sglang_pd("prefill", bootstrap=5, inflight=3)
+    assert prefill.role == "prefill" and prefill.provenance["role"].metric == "sglang:num_running_reqs{engine_type}"
+    # waiting: the waiting queue and the bootstrap queue; the inflight queue is prefilled work in flight
+    assert (prefill.waiting, prefill.waiting_capacity, prefill.waiting_deferred, prefill.transfers_in_flight) == (7, 2, 5, 3)
+    assert [(q.kind, q.requests) for q in prefill.queues] == [("capacity", 2), ("deferred", 5), ("in_flight", 3)]
+    assert prefill.queues[1].metric == "sglang:num_prefill_bootstrap_queue_reqs"
+    unified = _sglang_pd("unified")
+    assert unified.role == "unified" and [q.name for q in unified.queues] == ["waiting queue"] and unified.waiting == 2
+    # no engine_type label: a PD queue holding work says the role, derived
+    guessed = _sglang_pd(None, prealloc=9)
+    assert (guessed.role, guessed.provenance["role"].derived, guessed.waiting) == ("decode", True, 11)
+    assert _sglang_pd(None).role is None  # all PD queues at 0: nothing says the role
+    legacy = _sglang_pd("prefill", old_bootstrap=4)
+    assert legacy.waiting_deferred == 4 and legacy.queues[1].metric == "sglang:num_prefill_prealloc_queue_reqs"
+
+
+def test_sglang_mamba_pool_binds_in_states_and_single_pool_models_list_none() -> None:
+    from tests import dialects
+
+    lbl = dialects.sglang_scheduler("unified")
+    body = dialects.expose([
+        ("sglang:num_running_reqs", "gauge", lbl, 10), ("sglang:num_queue_reqs", "gauge", lbl, 0),
+        ("sglang:token_usage", "gauge", lbl, 0.9), ("sglang:full_token_usage", "gauge", lbl, 0.4),
+        ("sglang:swa_token_usage", "gauge", lbl, 0.0), ("sglang:mamba_usage", "gauge", lbl, 0.9),
+        ("sglang:max_total_num_tokens", "gauge", lbl, 1000),
+        ("sglang:mamba_used_tokens", "gauge", lbl, 90), ("sglang:mamba_evictable_tokens", "gauge", lbl, 4),
+        ("sglang:mamba_available_tokens", "gauge", lbl, 6),
+    ])
+    [s] = _samples(body)
+    assert [p.kind for p in s.pools] == ["full", "mamba"]  # the SWA gauge reads 0: no such pool
+    binding = s.binding_pool
+    assert binding is not None and (binding.kind, binding.unit, binding.capacity) == ("mamba", "states", 100)
+    assert (s.used_tokens, s.evictable_tokens, s.available_tokens) == (90, 4, 6)
+    [classic] = _samples(render("sglang", [_state()]))
+    assert classic.pools == () and classic.binding_pool is None
+
+
+def test_vllm_tiers_traffic_and_disk_hits() -> None:
+    from tests import dialects
+
+    lbl = dialects.vllm_engine()
+    body = dialects.expose(dialects.vllm_core(lbl, 0.9, 10, 0, 0) + [
+        ("vllm:kv_offload_total_bytes", "counter", {**lbl, "transfer_type": "CPU_to_GPU"}, 1e9),
+        ("vllm:kv_offload_total_bytes", "counter", {**lbl, "transfer_type": "GPU_to_CPU"}, 5e9),
+        ("vllm:prompt_tokens_cached_by_source", "counter", {**lbl, "source": "host"}, 700),
+        ("vllm:prompt_tokens_cached_by_source", "counter", {**lbl, "source": "disk"}, 300),
+        ("vllm:num_requests_kv_fetch_by_stage", "gauge", {**lbl, "stage": "in_progress"}, 2),
+    ])
+    [s] = _samples(body)
+    assert (s.l2_load_bytes_total, s.l2_store_bytes_total, s.l2_tier) == (1e9, 5e9, "vLLM CPU offloading")
+    assert s.provenance["l2_load_bytes_total"].metric == 'vllm:kv_offload_total_bytes_total{transfer_type="CPU_to_GPU"}'
+    assert (s.l2_hit_tokens_total, s.l3_hit_tokens_total) == (700, 300)
+    # a KV-fetch gauge beside a local tier: a kv_both connector also consumes, so no role is claimed
+    assert s.role is None and s.transfers_in_flight == 2
+
+
+def test_sglang_hicache_traffic_drops_and_storage_hits() -> None:
+    from tests import dialects
+
+    body = dialects.sglang_hicache(3)
+    radix = {"cache_type": "HiRadixCache", "pp_rank": "0", "tp_rank": "0", "storage_backend": "file"}
+    body += dialects.expose([("sglang:storage_prefetch_hit_tokens_total", "counter", radix, 1234)])  # another family
+    [s] = _samples(body)
+    assert (s.l2_used_tokens, s.l2_capacity_tokens, s.l2_tier) == (160_000, 800_000, "HiCache host-memory tier")
+    assert (s.l2_load_bytes_total, s.l2_store_bytes_total, s.l2_dropped_tokens_total, s.l3_hit_tokens_total) == (1.2e8, 2.7e8, 0, 1234)
