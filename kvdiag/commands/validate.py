@@ -1,6 +1,6 @@
 """``kvdiag validate``: score the checklist against the reference pool's ground truth.
 
-Runs every scenario on both reference engines, reads the emitted metrics back through kvdiag's
+Runs every scenario on both reference engines (a deployment story on the engines it exists for), reads the emitted metrics back through kvdiag's
 adapters, diagnoses them with the real checklist at every scrape (sliding windows, as the
 exporter would), and scores each verdict against what the simulator's own state says limits
 the engine at that instant (``kvdiag.refpool.validate``): instants right, misleading (pointing
@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvdiag import config as cfg
-from kvdiag.refpool.scenarios import CATALOGUE, ENGINES, SCENARIOS, get
+from kvdiag.refpool.scenarios import CATALOGUE, ENGINES, get
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.validate import GRACE_S, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, validate
 from kvdiag.report.json import dumps
@@ -67,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 0:
         print("kvdiag validate: --jobs must be >= 0", file=sys.stderr)
         return EXIT_ERROR
-    scenarios = [get(name, args.mem_fraction) for name in (args.scenario or SCENARIOS)]
+    scenarios = [get(name, args.mem_fraction) for name in (args.scenario or CATALOGUE)]
     engines = args.engine or list(ENGINES)
     jobs = args.jobs or len(os.sched_getaffinity(0))
     tune_gc()
-    total = len(scenarios) * len(engines)
+    total = sum(engine in sc.engines for sc in scenarios for engine in engines)  # a deployment runs on its engines only
     err = Console(stderr=True)
     if err.is_terminal:
         with Progress(TextColumn("validate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
