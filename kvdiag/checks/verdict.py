@@ -36,7 +36,8 @@ def decide(checks: Mapping[str, CheckResult], config: Config) -> Verdict:
     reason += "]"
     if unknown:
         reason += f"; {', '.join(SIGNALS[s] for s in unknown)} unknown, but the answer is the same either way"
-    return _verdict(row.verdict, reason + _usage_note(row.verdict, checks, config) + _deferred_note(checks))
+    notes = _usage_note(row.verdict, checks, config) + _deferred_note(checks) + _role_note(row.verdict, checks)
+    return _verdict(row.verdict, reason + notes)
 
 
 def findings(verdict: Verdict, checks: Mapping[str, CheckResult]) -> list[Finding]:
@@ -58,6 +59,25 @@ def _verdict(name: str, reason: str) -> Verdict:
 
 def _why(result: CheckResult) -> str:
     return result.evidence.summary or ", ".join(result.missing)
+
+
+#: What a full pool means on each role of a disaggregated pair (a unified instance needs no note).
+ROLE_NOTES = {
+    "decode": "this is the decode instance of a disaggregated pair: its pool holds the running decodes and the "
+              "room pre-allocated for arriving KV, so it wants decode capacity (more or larger decode instances, "
+              "a smaller KV per token), not more prefill",
+    "prefill": "this is the prefill instance of a disaggregated pair: its pool holds prompts being prefilled and KV "
+               "waiting to be sent, so it wants prefill capacity or a faster transfer to the decode side",
+}
+
+
+def _role_note(verdict: str, checks: Mapping[str, CheckResult]) -> str:
+    """An L1 verdict on one role of a disaggregated pair, said in that role's terms."""
+    role = checks[SIGNALS["Q"]].evidence.values.get("role")
+    if verdict not in ("l1_kv_bottleneck", "l1_kv_pressure", "near_kv_capacity") or not isinstance(role, str):
+        return ""
+    note = ROLE_NOTES.get(role)
+    return f". {note[0].upper()}{note[1:]}" if note else ""
 
 
 def _deferred_note(checks: Mapping[str, CheckResult]) -> str:

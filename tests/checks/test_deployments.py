@@ -84,6 +84,7 @@ def _diagnose(path: Path) -> dict:
 def test_sglang_decode_instance_full_pool_is_the_l1_bottleneck_and_names_the_prealloc_queue(reports: dict[str, dict]) -> None:
     d = reports["sglang-decode"]
     assert (d["verdict"], d["exit_code_cli"], d["role"]) == ("l1_kv_bottleneck", 2, "decode")
+    assert "decode instance of a disaggregated pair" in d["reason"] and "wants decode capacity" in d["reason"]
     q = d["checks"]["queue_growing"]["evidence"]
     # waiting = the waiting queue (0-2) + the prealloc queue (0 -> 70) + the transfer queue (4)
     assert (q["waiting_first"], q["waiting_last"]) == (4, 76)
