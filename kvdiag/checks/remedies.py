@@ -158,9 +158,10 @@ def admission_limit(ceiling_requests: int | None, seen: Observed) -> Limit | Non
         return None
     if seen.evicted_at is not None and value >= seen.evicted_at:
         value = max(1, seen.evicted_at - 1)
-        reason = f"below the {seen.evicted_at:,} running at which requests were evicted in the window"
+        count = f" ({seen.evictions:,.0f} eviction{'s' if seen.evictions != 1 else ''})" if seen.evictions else ""
+        reason = f"below the {seen.evicted_at:,} running at which requests were evicted in the window{count}"
         if seen.quiet_peak is not None and seen.quiet_peak > value:
-            reason += f"; {seen.quiet_peak:,} ran without evictions at other times, with lighter requests"
+            reason += f"; {seen.quiet_peak:,} ran without evictions at other times, when requests held less"
     if seen.evictions is None:
         reason += "; the engine reports no eviction counter, so the window cannot confirm it"
     elif seen.evictions == 0:
