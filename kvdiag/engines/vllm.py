@@ -29,19 +29,8 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
 from __future__ import annotations
 
 from kvdiag.engines import lmcache
-from kvdiag.engines.base import (
-    Instance,
-    Knobs,
-    first,
-    instance_key,
-    members,
-    model_name,
-    put,
-    put_histogram,
-    record_writers,
-    split_values,
-    value,
-)
+from kvdiag.engines.base import Instance, Knobs, first, instance_key, members, model_name, put, put_histogram
+from kvdiag.engines.base import record_writers, split_values, value
 from kvdiag.exposition import Exposition, Family
 from kvdiag.model import KIND_ORDER, PoolSample, Provenance, Queue
 
