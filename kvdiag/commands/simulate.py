@@ -17,7 +17,7 @@ import time
 from rich.console import Console
 
 from kvdiag.refpool import emit
-from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, ScenarioRun, get
+from kvdiag.refpool.scenarios import CATALOGUE, ENGINES, ScenarioRun, get
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.sources.recording import RecordingWriter
@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--engine", choices=ENGINES, help="which reference engine")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), help="which scenario (see --list)")
+    p.add_argument("--scenario", choices=sorted(CATALOGUE), help="which scenario (see --list)")
     p.add_argument("--port", type=int, help="serve /metrics on 127.0.0.1:PORT (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default loopback)")
     p.add_argument("--speed", type=float, default=10.0, help="simulated seconds per wall second when serving (default 10)")
@@ -41,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, help="simulated seconds to run (default: the scenario's)")
     p.add_argument("--dialect", help="engine release whose exposition to write (default: the newest)")
     p.add_argument("--mem-fraction", type=float, help="re-size the pool: the deployment's static memory fraction (default 0.9)")
+    p.add_argument("--lmcache-shared", action="store_true",
+                   help="with an LMCache tier: LMCache's series in vLLM's /metrics (one shared multiprocess directory)")
     return p
 
 
@@ -54,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     scenario = get(args.scenario, args.mem_fraction)
     tune_gc()
-    sim = ScenarioRun(scenario, args.engine)
     try:
-        sim.exposition(args.dialect)  # a dialect that cannot render this server fails here, once
+        sim = ScenarioRun(scenario, args.engine)
+        sim.exposition(args.dialect, shared_lmcache=args.lmcache_shared)  # a dialect that cannot render this server fails here, once
     except ValueError as exc:
         print(f"kvdiag simulate: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -82,9 +84,11 @@ def _check(args: argparse.Namespace) -> str | None:
 def _list(console: Console) -> None:
     """Name, size and intended verdict of each scenario, then its story (the expected verdict
     itself is derived from the run's ground truth by ``kvdiag validate``)."""
-    for s in SCENARIOS.values():
-        intents = {e: ", ".join(s.intent_for(e)) for e in ENGINES}
-        intent = intents["sglang"] if len(set(intents.values())) == 1 else "; ".join(f"{e}: {v}" for e, v in intents.items())
+    for s in CATALOGUE.values():
+        intents = {e: ", ".join(s.intent_for(e)) for e in s.engines}
+        intent = next(iter(intents.values())) if len(set(intents.values())) == 1 else "; ".join(f"{e}: {v}" for e, v in intents.items())
+        if s.engines != ENGINES:
+            intent += f" ({', '.join(s.engines)} only)"
         console.print(f"[bold]{s.name}[/bold]  DP={s.dp}  {s.duration:g}s  intended: {intent}", highlight=False)
         console.print(f"    {s.story}", highlight=False)
 
@@ -102,15 +106,29 @@ def _record(sim: ScenarioRun, path: str, interval: float, duration: float, diale
 
 def _serve(sim: ScenarioRun, args: argparse.Namespace, duration: float) -> int:
     def body(wants_om: bool) -> tuple[str, str]:
-        return sim.exposition(args.dialect, openmetrics=wants_om), emit.content_type(wants_om)
+        return sim.exposition(args.dialect, openmetrics=wants_om, shared_lmcache=args.lmcache_shared), emit.content_type(wants_om)
 
+    def side(target: str):  # noqa: ANN202 (a MetricsServer render callable)
+        return lambda wants_om: (sim.side_targets(wants_om)[target], emit.content_type(wants_om))
+
+    servers: list[MetricsServer] = []
+    # The deployment's other targets (a PD pair's prefill instance, LMCache's own exporter) on
+    # the next ports (any free ones with --port 0), as users scrape them: separate targets.
+    targets = [t for t in sim.side_targets() if not (t == "lmcache" and args.lmcache_shared)]
     try:
-        server = MetricsServer(body, host=args.host, port=args.port).start()
+        for k, name in enumerate([None, *targets]):
+            port = args.port + k if args.port else 0
+            servers.append(MetricsServer(body if name is None else side(name), host=args.host, port=port).start())
     except OSError as exc:
-        print(f"kvdiag simulate: cannot serve on {args.host}:{args.port} ({exc.strerror})", file=sys.stderr)
+        print(f"kvdiag simulate: cannot serve on {args.host}:{port} ({exc.strerror})", file=sys.stderr)
+        for s in servers:
+            s.stop()
         return EXIT_ERROR
+    server = servers[0]
     print(f"serving {sim.engine} scenario {sim.scenario.name} on {server.url}/metrics "
           f"({args.speed:g}x, {duration:g} simulated seconds)", file=sys.stderr, flush=True)
+    for name, extra in zip(targets, servers[1:]):
+        print(f"  {name} target on {extra.url}/metrics", file=sys.stderr, flush=True)
     def lagging(behind: float) -> None:
         print(f"kvdiag simulate: the simulator is {behind:.0f}s behind; lower --speed", file=sys.stderr)
 
@@ -119,5 +137,6 @@ def _serve(sim: ScenarioRun, args: argparse.Namespace, duration: float) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop()
+        for s in servers:
+            s.stop()
     return 0

@@ -181,14 +181,19 @@ class ScenarioRun:
         for sim in self.sims:
             sim.run_until(t)
 
-    def exposition(self, dialect: str | None = None, openmetrics: bool = False) -> str:
+    def exposition(self, dialect: str | None = None, openmetrics: bool = False, shared_lmcache: bool = False) -> str:
+        """The server's /metrics body; ``shared_lmcache`` adds an LMCache tier's families, as when
+        vLLM and LMCache share one multiprocess directory."""
+        if shared_lmcache and not isinstance(self.scenario.topology, LMCacheTier):
+            raise ValueError(f"{self.scenario.name} has no LMCache tier to share vLLM's /metrics with")
         with contextlib.ExitStack() as stack:
             for sim in self.sims:
                 stack.enter_context(sim.lock)
             states = [sim.state() for sim in self.sims]
+            lmcache = [sim.scheduler.lmcache for sim in self.sims] if shared_lmcache else None  # type: ignore[attr-defined]
             return emit.render(
                 self.engine, states, dialect=dialect, openmetrics=openmetrics, escape=openmetrics,
-                model=self.scenario.deployment.served_model,
+                model=self.scenario.deployment.served_model, lmcache=lmcache,
             )  # fmt: skip
 
     def side_targets(self, openmetrics: bool = False) -> dict[str, str]:
@@ -411,11 +416,12 @@ DEPLOYMENTS: dict[str, Scenario] = {
     for s in (
         Scenario(
             "pd-decode-pool",
-            "The decode instance of a PD pair under long answers: decode growth fills its pool, requests whose "
-            "prompt the prefill instance is ready to send wait for decode room (SGLang's prealloc queue, vLLM's "
-            "waiting for capacity), the pool pins and running requests are retracted / preempted. SGLang's "
-            "num_queue_reqs stays near 0: the backlog is in num_decode_prealloc_queue_reqs. The answer is decode "
-            "capacity, not prefill.",
+            "The decode instance of a PD pair under long requests (~4k-token prompts, ~1.5k-token answers): decode "
+            "growth fills its pool, requests the prefill instance would compute wait for decode room (SGLang's "
+            "prealloc queue, vLLM's waiting for capacity) and running requests are retracted / preempted. SGLang's "
+            "num_queue_reqs stays near 0 (the backlog is in num_decode_prealloc_queue_reqs), and its usage reads "
+            "~0.9 while preallocation is refused: it keeps 512 tokens per running, transferring and waiting request "
+            "out of it. The answer is decode capacity, not prefill.",
             ("l1_kv_bottleneck",),
             (Workload(Ramp(((0.0, 0.1), (20.0, 0.1), (60.0, 1.0))), LogNormal(4000, 0.3, hi=8000), LogNormal(1500, 0.5, hi=4000),
                       prefix=SharedPrefix(4, 0.5), seed=41),),

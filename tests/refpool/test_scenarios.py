@@ -307,3 +307,65 @@ def test_saved_deployment_dialects_are_what_the_emitter_writes(deployment_runs: 
         scrape = Scrape(EPOCH + run.now, run.target, content_type(False), emitted_dialects.read(f"{name}-{engine}.prom"))
         (sample,) = normalize_scrape(scrape, engine)
         assert sample.usage_ratio is not None and sample.waiting is not None, (name, engine)
+
+
+def _serve_in_thread(args: list[str]):  # noqa: ANN202
+    import threading
+
+    from kvdiag.cli import main
+
+    worker = threading.Thread(target=main, args=(args,), daemon=True)
+    worker.start()
+    return worker
+
+
+def _get(url: str, deadline_s: float = 60.0) -> str:
+    """The body at ``url`` once it answers (a hang guard, not a timing assertion)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return resp.read().decode()
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too (the side target binds the next port)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise RuntimeError("no two consecutive free ports on loopback")
+
+
+def test_simulate_serves_lmcache_as_its_own_target_or_shared() -> None:
+    """``kvdiag simulate`` serves LMCache's exporter on the next port, as users scrape it, and with
+    --lmcache-shared in vLLM's own /metrics instead."""
+    port = _two_free_ports()
+    base = ["simulate", "--engine", "vllm", "--scenario", "lmcache-underused", "--speed", "40", "--duration", "20"]
+    worker = _serve_in_thread(base + ["--port", str(port)])
+    main_body, side_body = _get(f"http://127.0.0.1:{port}/metrics"), _get(f"http://127.0.0.1:{port + 1}/metrics")
+    assert "vllm:num_requests_running" in main_body and "lmcache:" not in main_body
+    assert "lmcache:num_lookup_tokens_total" in side_body and "vllm:" not in side_body
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    worker = _serve_in_thread(base + ["--port", str(port), "--lmcache-shared"])
+    shared = _get(f"http://127.0.0.1:{port}/metrics")
+    assert "lmcache:num_lookup_tokens_total" in shared and "vllm:num_requests_running" in shared
+    assert "_created" not in shared  # a multiprocess registry
+    worker.join(timeout=120)
+    assert not worker.is_alive()
