@@ -6,7 +6,10 @@ Mirrors the classic ``mem_cache/hiradix_cache.py: HiRadixCache`` and the 0.5.23 
 * ``HostKVCache`` (``mem_cache/pool_host/base.py``): ``size = int(device_capacity x
   hicache_ratio)``, then ``page_num = size // page_size + 1`` and ``size = page_num x page_size``.
 * Write policies. ``write_through``: every node inserted is copied D->H at once (hit threshold
-  1). ``write_through_selective``: copied when the node's insert hit count reaches 2.
+  1). ``write_through_selective``: copied when the node's insert hit count reaches 2; an insert
+  counts a hit only on nodes ending past what the same request inserted before (its own
+  finish-time insert does not re-count the prompt it checkpointed), so only a prefix another
+  request reuses is copied.
   ``write_back``: nothing is copied at insert; a leaf is copied when the device evicts it.
   A device eviction of a backed-up node *demotes* it (device slots freed, node kept host-only);
   of a node with no host copy, write_back first backs it up (evicting host LRU leaves for room)
@@ -197,7 +200,7 @@ class HiRadixCache(RadixCache):
             self.inc_lock_ref(node)  # protected until the write ack is polled
             self.ongoing_write_through.append(node)
 
-    def _insert_matched(self, node: TreeNode, value: list[int]) -> int:
+    def _insert_matched(self, node: TreeNode, value: list[int], new_hit: bool) -> int:
         """A host-only node on an insert path takes the inserting request's fresh slots.
 
         That is KV recomputation of an evicted prefix: the node is device-resident again, the
@@ -211,11 +214,13 @@ class HiRadixCache(RadixCache):
             self._update_leaf_status(node.parent)  # type: ignore[arg-type]
             self._track_duplicate(node)  # recomputed over its host copy
             return 0
-        self._inc_hit_count(node)
+        if new_hit:
+            self._inc_hit_count(node)
         return len(node.key)
 
-    def _insert_new(self, node: TreeNode) -> None:
-        self._inc_hit_count(node)
+    def _insert_new(self, node: TreeNode, new_hit: bool) -> None:
+        if new_hit:
+            self._inc_hit_count(node)
 
     # ----------------------------------------------------------------- eviction
     def _evict_leaf(self, x: TreeNode) -> int:

@@ -133,25 +133,29 @@ class RadixCache:
         device_indices = list(itertools.chain.from_iterable(n.value for n in path if not n.evicted))  # type: ignore[misc]
         return MatchResult(device_indices, node, last_host_node, host_hit_length)
 
-    def insert(self, key: Sequence[int], value: Sequence[int]) -> int:
+    def insert(self, key: Sequence[int], value: Sequence[int], inserted_len: int = 0) -> int:
         """Insert ``key`` -> ``value``; return how many leading tokens were already cached.
 
         The caller frees its own slots for that already-cached prefix (they are duplicates).
         The new suffix becomes one node and adds to ``evictable_size_`` (``_insert_helper``).
+        ``inserted_len``: how much of ``key`` the inserting request inserted before; a node
+        ending within it is not a new hit (HiCache's hit count: "Nodes this request already
+        inserted were counted back then").
         """
         n = self._page_align(len(key))
         key, value = tuple(key[:n]), list(value[:n])
         t = self._tick()
         node = self.root_node
         node.last_access_time = t
-        total_prefix_length = 0
+        total_prefix_length = pos = 0
         while key and self.get_child_key(key) in node.children:
             node = node.children[self.get_child_key(key)]
             node.last_access_time = t
             prefix_len = self.key_match(node.key, key)
             if prefix_len < len(node.key):
                 node = self._split_node(node, prefix_len)
-            total_prefix_length += self._insert_matched(node, value[:prefix_len])
+            pos += prefix_len
+            total_prefix_length += self._insert_matched(node, value[:prefix_len], pos > inserted_len)
             key, value = key[prefix_len:], value[prefix_len:]
         if key:
             # A new node is stamped when it is created, after the walk's access time
@@ -161,7 +165,7 @@ class RadixCache:
             self.evictable_size_ += len(key)
             self._update_leaf_status(node)
             self._update_leaf_status(new_node)
-            self._insert_new(new_node)
+            self._insert_new(new_node, pos + len(key) > inserted_len)
         return total_prefix_length
 
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -299,11 +303,12 @@ class RadixCache:
         self._update_leaf_status(new_node)
         return new_node
 
-    def _insert_matched(self, node: TreeNode, value: list[int]) -> int:
-        """An existing node fully covered by an insert: its tokens count as already cached."""
+    def _insert_matched(self, node: TreeNode, value: list[int], new_hit: bool) -> int:
+        """An existing node fully covered by an insert: its tokens count as already cached.
+        ``new_hit``: the node ends past what the inserting request inserted before."""
         return len(node.key)
 
-    def _insert_new(self, node: TreeNode) -> None:
+    def _insert_new(self, node: TreeNode, new_hit: bool) -> None:
         """Hook for a node just created by ``insert`` (HiCache write-through starts here)."""
 
     def _evict_leaf(self, x: TreeNode) -> int:

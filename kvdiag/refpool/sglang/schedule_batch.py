@@ -36,6 +36,7 @@ class Req:
     prefix_indices: list[int] = field(default_factory=list)  # L1 prefix found for this round
     extend_input_len: int = 0  # tokens computed by this round's (chunk of) prefill
     cache_protected_len: int = 0
+    cache_inserted_len: int = 0  # how much of its row this request has inserted into the tree
     last_node: TreeNode | None = None  # node locked by this request (None: holds no lock)
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
@@ -120,6 +121,7 @@ class Req:
         self.prefix_indices = []
         self.extend_input_len = 0
         self.cache_protected_len = 0
+        self.cache_inserted_len = 0
         self.last_node = None
         self.last_host_node = None
         self.host_hit_length = 0
@@ -213,10 +215,11 @@ def _insert_row(req: Req, tree: RadixCache, key: Sequence[int]) -> int:
     ``key``, then re-insert the prompt so the leaf splits at the prompt boundary ("so eviction can
     drop the output KV without the prompt"). Returns the first insert's cached prefix length."""
     n = len(key)
-    new_prefix_len = tree.insert(key, req.kv_indices[:n])
+    new_prefix_len = tree.insert(key, req.kv_indices[:n], req.cache_inserted_len)
+    req.cache_inserted_len = max(req.cache_inserted_len, n)
     p = len(req.origin_input_ids) // tree.page_size * tree.page_size
     if 0 < p < n:
-        tree.insert(key[:p], req.kv_indices[:p])
+        tree.insert(key[:p], req.kv_indices[:p], p)
     return new_prefix_len
 
 
