@@ -176,6 +176,8 @@ SGLANG_STORIES = [
           make_prefix_groups(22, 36, 3, 6, 160, (10, 60), (10, 40))),
     Story("hicache_write_back", sglang_config(hicache_write_policy="write_back", hicache_ratio=2.0),
           make_prefix_groups(23, 36, 3, 6, 160, (10, 60), (10, 40))),
+    Story("hicache_write_through_selective", sglang_config(hicache_write_policy="write_through_selective", hicache_ratio=2.0),
+          make_prefix_groups(24, 36, 3, 6, 160, (10, 60), (10, 40))),
 ]  # fmt: skip
 
 
