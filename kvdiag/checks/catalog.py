@@ -119,7 +119,7 @@ SERIES = {
                "usage + admission need, at most 1 (what admission counts as taken now)"),
         Series("instance:kvdiag_waiting:requests", "waiting",
                "requests in the waiting queues (the scheduler's, plus a disaggregated role's bootstrap / prealloc / "
-               "transfer queues; vLLM: waiting + deferred); max over TP ranks"),
+               "transfer queues; requests deferred for their KV included); max over TP ranks"),
         Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
         Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
         Series("instance:kvdiag_ttft_seconds:p99_{window}", "ttft", "histogram_quantile of the TTFT buckets' rate()"),
