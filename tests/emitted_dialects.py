@@ -5,13 +5,16 @@ judged instance (a PD pair's decode instance, a hybrid model's server, vLLM with
 the deployment's other targets (the prefill instance; LMCache's own exporter). Written by the
 emitter, so names, labels and types are the engines' own (``refpool/emit.py``); saved under
 ``fixtures/deployments/`` for readers that want a real-shaped body without running the
-simulator. ``python -m tests.emitted_dialects`` rewrites them; a test fails when one is stale.
+simulator. ``python -m tests.emitted_dialects`` rewrites them; a test fails when a saved body's
+series (names and label sets) differ from a fresh emission's.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.refpool.scenarios import DEPLOYMENTS, ScenarioRun
 
@@ -28,6 +31,12 @@ def bodies(runs: dict[tuple[str, str], ScenarioRun]) -> dict[str, str]:
         for target, body in run.side_targets().items():
             out[f"{name}-{engine}-{target}.prom"] = body
     return out
+
+
+def series(body: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """A body's dialect: every sample's name and label set, values aside (the simulated numbers
+    move whenever a reference scheduler is refined; the names and labels are the engine's)."""
+    return {(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(body) for s in f.samples}
 
 
 def read(name: str) -> str:

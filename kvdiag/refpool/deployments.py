@@ -34,15 +34,19 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from kvdiag import capacity
 from kvdiag.refpool import emit
 from kvdiag.refpool.emit import EngineState, LMCacheState
+from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
 from kvdiag.refpool.sim import EngineMetrics, MetricsFactory, PoolTruth, SGLangMetrics, VLLMMetrics, default_metrics
 from kvdiag.refpool.types import EngineScheduler, SimRequest, StepPlan
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
+
+if TYPE_CHECKING:  # scenarios.py imports this module
+    from kvdiag.refpool.scenarios import Deployment
 
 #: SGLang decode keeps this many tokens per running or incoming request out of preallocation
 #: (``--num-reserved-decode-tokens``, default 512).
@@ -55,11 +59,11 @@ class Topology(Protocol):
 
     engines: tuple[str, ...]  # the engines this deployment exists for
 
-    def pool_tokens(self, deployment: object) -> int:
+    def pool_tokens(self, deployment: Deployment) -> int:
         """The pool the reference scheduler runs on (the binding one)."""
         ...
 
-    def wrap(self, inner: EngineScheduler, engine: str, roofline: object, pool_tokens: int) -> EngineScheduler: ...
+    def wrap(self, inner: EngineScheduler, engine: str, roofline: Roofline, pool_tokens: int) -> EngineScheduler: ...
 
     def metrics(self, engine: str) -> MetricsFactory: ...
 
@@ -106,12 +110,12 @@ class PDPair:
     engines: tuple[str, ...] = ("sglang", "vllm")
     fast_forward: bool = False  # stage transitions happen between steps: no decode runs at once
 
-    def pool_tokens(self, deployment: object) -> int:
-        return deployment.pool_tokens  # type: ignore[attr-defined]
+    def pool_tokens(self, deployment: Deployment) -> int:
+        return deployment.pool_tokens
 
-    def wrap(self, inner: EngineScheduler, engine: str, roofline: object, pool_tokens: int) -> EngineScheduler:
+    def wrap(self, inner: EngineScheduler, engine: str, roofline: Roofline, pool_tokens: int) -> EngineScheduler:
         def prefill_seconds(n: int) -> float:
-            return roofline.batch_seconds(n, 0, n * (n + 1) / 2)  # type: ignore[attr-defined]
+            return roofline.batch_seconds(n, 0, n * (n + 1) / 2)
 
         return PDDecode(inner, engine, prefill_seconds, lambda n: n * self.kv_bytes_per_token / self.link_bytes_per_s, pool_tokens)
 
@@ -301,11 +305,11 @@ class HybridSWA:
     engines: tuple[str, ...] = ("sglang",)
     fast_forward: bool = True
 
-    def pool_tokens(self, deployment: object) -> int:
+    def pool_tokens(self, deployment: Deployment) -> int:
         d = deployment
-        return hybrid_pools(d.model, d.gpu, d.tp, d.mem_fraction, self.swa_full_tokens_ratio)[1]  # type: ignore[attr-defined]
+        return hybrid_pools(d.model, d.gpu, d.tp, d.mem_fraction, self.swa_full_tokens_ratio)[1]
 
-    def wrap(self, inner: EngineScheduler, engine: str, roofline: object, pool_tokens: int) -> EngineScheduler:
+    def wrap(self, inner: EngineScheduler, engine: str, roofline: Roofline, pool_tokens: int) -> EngineScheduler:
         return inner
 
     def metrics(self, engine: str) -> MetricsFactory:
@@ -354,10 +358,10 @@ class LMCacheTier:
     engines: tuple[str, ...] = ("vllm",)
     fast_forward: bool = False  # the connector path never takes decode runs at once
 
-    def pool_tokens(self, deployment: object) -> int:
-        return deployment.pool_tokens  # type: ignore[attr-defined]
+    def pool_tokens(self, deployment: Deployment) -> int:
+        return deployment.pool_tokens
 
-    def wrap(self, inner: EngineScheduler, engine: str, roofline: object, pool_tokens: int) -> EngineScheduler:
+    def wrap(self, inner: EngineScheduler, engine: str, roofline: Roofline, pool_tokens: int) -> EngineScheduler:
         return LMCacheWorker(inner, self.kv_bytes_per_token)
 
     def metrics(self, engine: str) -> MetricsFactory:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prometheus_client.utils import floatToGoString
 
@@ -120,7 +121,7 @@ class EngineState:
     backup_tokens_total: int = 0
     dropped_tokens_total: int = 0
     kv_bytes_per_token_per_rank: int | None = None
-    # KV connector traffic (vLLM external_prefix_cache_* and prompt_tokens_by_source).
+    # KV connector lookups (vLLM external_prefix_cache_*): tokens asked of it, tokens it had.
     external_query_tokens_total: int = 0
     external_hit_tokens_total: int = 0
     ttft: Latency = field(default_factory=Latency)
@@ -403,7 +404,9 @@ def _sglang_radix(w: _Writer, states: list[EngineState], v: tuple[int, ...], tp:
                   series(lambda s: s.backup_tokens_total * per))
 
 
-def _sglang_pd_queues(w: _Writer, states: list[EngineState], v: tuple[int, ...], tp: int, sched) -> None:
+def _sglang_pd_queues(
+    w: _Writer, states: list[EngineState], v: tuple[int, ...], tp: int, sched: Callable[[int, int], dict[str, str]]
+) -> None:
     """The PD disaggregation gauges, exported as 0 by a unified instance (facts §2.3). The
     prefill bootstrap queue was ``num_prefill_prealloc_queue_reqs`` up to 0.5.11; the rest of
     the family is written only for 0.5.23, the release the facts list it for."""
