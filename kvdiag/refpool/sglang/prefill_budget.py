@@ -16,8 +16,11 @@ count as reclaimable. The ratio discounts only already-running requests' remaini
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Iterator
+
+import numpy as np
 
 from kvdiag.refpool.sglang.hicache import HiRadixCache
 from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
@@ -61,6 +64,19 @@ class NewTokenRatioTracker:
 
     def reset(self) -> None:
         self.current = self.init
+
+
+def running_output_offset(remaining: Sequence[int], in_full: Sequence[bool], ratio: float) -> float:
+    """``sum(_get_running_request_total_token_offset(r) for r in running)``: each running
+    request's remaining output clipped at 4096, times the ratio (in full with ignore_eos).
+
+    It runs over the whole running batch on every prefill attempt, so the terms are computed
+    at once (numpy's float64 products are Python's) and still added by ``sum()`` one by one in
+    batch order, so the float is SGLang's on every Python (3.12's ``sum()`` compensates
+    rounding, numpy's pairwise sum would not).
+    """
+    clipped = np.minimum(np.asarray(remaining, dtype=np.int64), CLIP_MAX_NEW_TOKENS)
+    return sum((clipped * np.where(np.asarray(in_full, dtype=bool), 1.0, ratio)).tolist())
 
 
 class PrefillBudget:
@@ -108,23 +124,20 @@ class PrefillAdder:
         new_token_ratio: float,
         rem_input_tokens: int,
         rem_chunk_tokens: int | None,
+        running_offset: float | None = None,
     ) -> None:
+        """``running_offset``: the running requests' reservation (``running_output_offset``),
+        where the caller knows it better than their outputs do (batch-level decode appends
+        them late)."""
         self.tree_cache = tree_cache
         self.page_size = tree_cache.page_size
         self.rem_input_tokens = rem_input_tokens
         self.rem_chunk_tokens = rem_chunk_tokens
         self.memory_budget = PrefillBudget(tree_cache)
-        # SGLang adds sum(_get_running_request_total_token_offset(r) for r in running). That runs
-        # over the whole running batch on every prefill attempt, so it is inlined here, without
-        # the min() call: the same terms in the same order, still added by sum(), so the float is
-        # SGLang's on every Python (3.12's sum() compensates rounding, a += loop would not).
-        offsets: list[float] = []
-        for r in running_reqs:
-            sim = r.sim
-            remaining = r.max_new_tokens - len(sim.output)
-            clipped = remaining if remaining < CLIP_MAX_NEW_TOKENS else CLIP_MAX_NEW_TOKENS
-            offsets.append(clipped * (1.0 if sim.ignore_eos else new_token_ratio))  # ignore_eos: in full
-        self.memory_budget.total_offset += sum(offsets)
+        if running_offset is None:
+            remaining = [r.max_new_tokens - len(r.sim.output) for r in running_reqs]
+            running_offset = running_output_offset(remaining, [r.sim.ignore_eos for r in running_reqs], new_token_ratio)
+        self.memory_budget.total_offset += running_offset
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
         # Hit accounting of this batch (cache_hit_rate, prefill_effective_tokens_total).

@@ -44,6 +44,12 @@ class Req:
     retraction_count: int = 0
     finished: bool = False  # released; still listed in the running batch until filtered
     aborted: bool = False
+    # Batch-level decode (``SGLangScheduler.enable_batch_decode``): the decode step its output is
+    # exact at, the one it stops at, and its order in the running batch.
+    synced_at: int = 0
+    stop_at: int = 0
+    batch_order: int = 0
+    reserve_left: int = 0  # max_new_tokens - output length + decode step (constant while running)
 
     @property
     def origin_input_ids(self) -> tuple[int, ...]:

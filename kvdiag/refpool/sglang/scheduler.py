@@ -15,6 +15,11 @@ checks the pool invariants after every call).
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
+import numpy as np
+
 from kvdiag.refpool.sglang import fast_forward
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.sglang.hicache import HiRadixCache
@@ -25,6 +30,7 @@ from kvdiag.refpool.sglang.prefill_budget import (
     AddReqResult,
     NewTokenRatioTracker,
     PrefillAdder,
+    running_output_offset,
 )
 from kvdiag.refpool.sglang.radix_cache import RadixCache
 from kvdiag.refpool.sglang.schedule_batch import (
@@ -108,6 +114,15 @@ class SGLangScheduler:
         self.num_retracted_reqs = 0  # gauge: size of the last retraction since the last report
         self.cache_hit_rate = 0.0
         self.forward_ct_decode = 0
+        self._filter_due = False  # a running request was released since the last filter
+        # Batch-level decode accounting (enable_batch_decode): a running request's output is
+        # exact as of decode step ``synced_at`` and one token longer per decode step since;
+        # it is brought up to date where it stops (``_stops``, in batch order) or is read.
+        self.batch_decode = False
+        self._stops: list[tuple[int, int, Req]] = []  # (decode step it stops at, batch order, request)
+        self._batch_order = itertools.count()
+        self._decode_context = 0  # the running batch's tokens in L1 (batch mode)
+        self._in_full = 0  # running requests with ignore_eos, reserved in full (batch mode)
 
     # ================================================================= protocol
     def add_request(self, req: SimRequest) -> None:
@@ -171,7 +186,7 @@ class SGLangScheduler:
         with self.allocator.free_group():  # as process_batch_result_prefill / _decode do
             if plan.chunks and plan.chunks[0].is_prefill:  # a batch is all prefill or all decode
                 self._process_batch_result_prefill(now, finished)
-            elif plan.chunks:
+            elif plan.chunks or plan.decode_batch:
                 self._process_batch_result_decode(finished)
         for req in self._aborted:
             finished.append(req.sim)
@@ -210,13 +225,23 @@ class SGLangScheduler:
     def _process_batch_result_decode(self, finished: list[SimRequest]) -> None:
         """One token for every running request (each already has its first token from prefill).
 
-        The hot loop of a run: it executes once per running request per decode step.
+        The hot loop of a run: it executes once per running request per decode step, unless
+        decodes are accounted batch-wise, where only the requests that stop are touched.
         """
-        for req in self.running_batch:
-            sim = req.sim
-            sim.output.append(sim.next_token())
-            if req.should_finish():
+        if self.batch_decode:
+            step = self.forward_ct_decode + 1
+            for req in self._due_stops(step):
+                self._sync(req, step)
+                assert req.should_finish()
+                self._decode_context -= len(req.kv_indices)
+                self._in_full -= req.sim.ignore_eos
                 self._release_finished_req(req, finished)
+        else:
+            for req in self.running_batch:
+                sim = req.sim
+                sim.output.append(sim.next_token())
+                if req.should_finish():
+                    self._release_finished_req(req, finished)
         self.forward_ct_decode += 1
         if self.forward_ct_decode % self.decode_log_interval == 0:
             self._snapshot_report()
@@ -226,6 +251,7 @@ class SGLangScheduler:
         the next filter)."""
         release_kv_cache(req, self.tree_cache, checkpoint=True)
         req.finished = True
+        self._filter_due = True
         finished.append(req.sim)
         c = self.counters
         c.num_requests_total += 1
@@ -247,8 +273,9 @@ class SGLangScheduler:
             return None
         self._touch_waiting_prefixes()
         adder = PrefillAdder(
-            self.tree_cache, self.running_batch, self.ratio.current, self.max_prefill_tokens, self.chunked_prefill_size
-        )
+            self.tree_cache, self.running_batch, self.ratio.current, self.max_prefill_tokens, self.chunked_prefill_size,
+            self._running_output_offset() if self.batch_decode else None,
+        )  # fmt: skip
         if self.chunked_req is not None:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         blocked_on_kv: bool | None = None  # why the queue stopped, if it did
@@ -342,11 +369,17 @@ class SGLangScheduler:
         if len(kept) < len(batch) or (kept and not self.running_batch):
             self.batch_is_full = False
         self.running_batch.extend(kept)
+        if self.batch_decode:
+            for r in kept:
+                self._track(r)
 
     def _filter_running_batch(self) -> None:
         """Top of every ``get_next_batch_to_run`` ("Every step, not only after a merge"):
         finished requests leave the running batch, which clears the latch if any did; an empty
         batch never stays latched (``_get_new_batch_prefill_raw``)."""
+        if not self._filter_due and self.running_batch:
+            return  # nobody finished since the last filter: it would change nothing
+        self._filter_due = False
         before = len(self.running_batch)
         self.running_batch = [r for r in self.running_batch if not r.finished]
         if len(self.running_batch) < before or not self.running_batch:
@@ -359,7 +392,10 @@ class SGLangScheduler:
         if not self.running_batch:
             return False
         if not check_decode_mem(self.running_batch, self.tree_cache):
+            self.sync()  # retraction reads every request's output, and reorders the batch
             plan.evicted.extend(r.sim for r in self._retract_decode())
+            if self.batch_decode:
+                self._track_batch()
         else:
             self.ratio.decay_step()
         if len(self.running_batch) < initial_bs:
@@ -367,6 +403,11 @@ class SGLangScheduler:
         if not self.running_batch:  # its last request was aborted
             return False
         batch = self.running_batch
+        if self.batch_decode:  # the step's decodes as one aggregate
+            plan.decode_batch, plan.decode_context = len(batch), self._decode_context
+            alloc_decode(batch, self.tree_cache)
+            self._decode_context += len(batch)
+            return True
         chunks = [ScheduledChunk(req.sim, 1, len(req.kv_indices), False) for req in batch]
         slots = alloc_decode(batch, self.tree_cache)
         if self.moves_bytes:
@@ -491,3 +532,71 @@ class SGLangScheduler:
     # types.FastForward: runs of identical decode steps at once (sglang/fast_forward.py)
     decode_run = fast_forward.decode_run
     advance_decode = fast_forward.advance_decode
+
+    # ---- types.BatchDecoding
+    def enable_batch_decode(self) -> None:
+        """Account decodes batch-wise from now on where that is exact without per-request work
+        (accounting-only, page size 1, not debug: KV writes and the invariant checks read every
+        request every step). A decode step then appends each request's slot, and nothing else
+        per request: outputs are appended where a request stops or is read (``sync``)."""
+        if not (self.debug or self.moves_bytes or self.page_size != 1):
+            assert not self.reqs, "enable batch decode before the first request"
+            self.batch_decode = True
+
+    def sync(self) -> None:
+        """Bring every running request's output up to date (batch mode; else nothing to do)."""
+        if self.batch_decode:
+            for r in self.running_batch:
+                self._sync(r, self.forward_ct_decode)
+
+    def _sync(self, r: Req, step: int) -> None:
+        """``r``'s output as the step-by-step loop has it after decode step ``step``."""
+        n = step - r.synced_at
+        if n:
+            r.sim.output.extend(r.sim.next_tokens(n))
+            r.synced_at = step
+
+    def _track(self, r: Req) -> None:
+        """``r`` (output up to date) joins the batch's decodes: it stops at the decode step
+        where ``should_finish`` first holds."""
+        sim, now = r.sim, self.forward_ct_decode
+        r.synced_at, r.batch_order = now, next(self._batch_order)
+        r.stop_at = now + min(r.max_new_tokens, sim.output_len) - len(sim.output)
+        r.reserve_left = r.max_new_tokens - len(sim.output) + now  # less the decode step: left to generate
+        heapq.heappush(self._stops, (r.stop_at, r.batch_order, r))
+        self._decode_context += len(r.kv_indices)
+        self._in_full += sim.ignore_eos
+
+    def _running_output_offset(self) -> float:
+        """``PrefillAdder``'s reservation for the running batch's remaining output, in batch mode
+        (each request's outputs not appended yet count as generated)."""
+        batch = self.running_batch
+        remaining = np.fromiter((r.reserve_left for r in batch), np.int64, len(batch)) - self.forward_ct_decode
+        in_full = [r.sim.ignore_eos for r in batch] if self._in_full else np.zeros(len(batch), dtype=bool)
+        return running_output_offset(remaining, in_full, self.ratio.current)
+
+    def _track_batch(self) -> None:
+        """After a retraction (which reorders the batch): every running request anew."""
+        self._stops, self._decode_context, self._in_full = [], 0, 0
+        for r in self.running_batch:
+            self._track(r)
+
+    def _due_stops(self, step: int) -> list[Req]:
+        """Pop the running requests that stop at decode step ``step``, in batch order (entries
+        of requests retracted or released since are stale and dropped)."""
+        due, heap = [], self._stops
+        while heap and heap[0][0] <= step:
+            at, order, r = heapq.heappop(heap)
+            if r.batch_order == order and r.stop_at == at and not r.finished:
+                due.append(r)
+        return due
+
+    def next_stop(self) -> int | None:
+        """The earliest decode step at which a running request stops (batch mode)."""
+        heap = self._stops
+        while heap:
+            at, order, r = heap[0]
+            if r.batch_order == order and r.stop_at == at and not r.finished:
+                return at
+            heapq.heappop(heap)
+        return None
