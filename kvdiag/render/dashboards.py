@@ -2,9 +2,12 @@
 
 Two dashboards: "KV pool overview" (the fleet) and "KV pool instance" (one instance, linked
 from every alert's ``dashboard_url``). Panels are data (``Panel``/``Query``) laid out on a
-24-column grid in order; every query reads the ``instance:kvdiag_*`` series of ``rules/``, so
-the dashboards work on engine metrics alone, and the verdict/check panels add the exporter's
-``kvdiag_verdict`` / ``kvdiag_check_status`` series when the exporter is scraped too.
+24-column grid in order; queries read the ``instance:kvdiag_*`` series of ``rules/``, so the
+dashboards work on engine metrics alone, and the verdict/check panels add the exporter's
+``kvdiag_verdict`` / ``kvdiag_check_status`` series when the exporter is scraped too. The
+queue-by-reason and pools-by-kind panels show what the rules add up (every queue of a PD role,
+each pool of a hybrid model): there they read the adapters' own engine families, one figure per
+instance as the rules take it (``promql.gauge``: both stored spellings, max over TP ranks).
 Thresholds drawn on panels (the saturation line, the TTFT SLO) come from ``Config``. The JSON
 is deterministic: sorted keys, ids and ``refId`` by position.
 """
@@ -14,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiag.config import Config
+from kvdiag.engines import sglang, vllm
 from kvdiag.render.normalize import series_name
-from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
+from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels, first, gauge, sel
 from kvdiag.report.json import dumps
 
 OVERVIEW_UID = "kvdiag-overview"
@@ -76,10 +80,31 @@ def _names(config: Config) -> dict[str, str]:
     }
 
 
+def _matchers(lbl: Labels) -> str:
+    """The dashboard variables as label matchers."""
+    return f'{lbl.target[0]}=~"$job", {lbl.target[-1]}=~"$instance", {lbl.model}=~"$model"'
+
+
 def _sel(lbl: Labels, extra: str = "") -> str:
     """The dashboard variables as matchers on the recorded series."""
-    parts = [f'{lbl.target[0]}=~"$job"', f'{lbl.target[-1]}=~"$instance"', f'{lbl.model}=~"$model"']
-    return "{" + ", ".join(parts + ([extra] if extra else [])) + "}"
+    return "{" + _matchers(lbl) + (", " + extra if extra else "") + "}"
+
+
+def _queues(lbl: Labels, leg: str) -> tuple[Query, ...]:
+    """Every queue apart: SGLang's waiting queue and PD queues (each role exports them all, 0
+    outside it), vLLM's waiting by reason (capacity | deferred for a KV transfer, LoRA, blocked)."""
+    m = _matchers(lbl)
+    out = [Query(first(*(gauge(lbl, name, m) for name in names)), f"{leg} {title.split(' (')[0]}") for names, title, _, _ in sglang.QUEUES]
+    out.append(Query(f"max {lbl.by('reason')} ({sel(vllm.P + 'num_requests_waiting_by_reason', '', m)})", leg + " {{reason}}"))
+    return tuple(out)
+
+
+def _pools(lbl: Labels, leg: str, usage: str) -> tuple[Query, ...]:
+    """Each pool of a hybrid model (SGLang: full attention, sliding window, Mamba states; 0 where
+    the model has no such pool) beside the usage the checks read (the larger of them)."""
+    m = _matchers(lbl)
+    kinds = (("full_token_usage", "full"), ("swa_token_usage", "sliding window"), ("mamba_usage", "Mamba"))
+    return (Query(usage, leg + " usage (checked)"),) + tuple(Query(gauge(lbl, sglang.P + f, m), f"{leg} {k}") for f, k in kinds)
 
 
 def _legend(lbl: Labels) -> str:
@@ -158,6 +183,15 @@ def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
                 Query(f"{n['waiting']}{s}", leg + " waiting"),
                 Query(f"{n['running']}{s}", leg + " running"),
             ), "Waiting queue against the running batch.", "short"),
+            Panel("Queue by reason", "timeseries", _queues(lbl, leg),
+                  "Each queue apart. A decode instance waits in its prealloc queue for room in its own pool (capacity) and "
+                  "in its transfer queue for KV from the prefill instance; a prefill instance's bootstrap queue waits for "
+                  "the decode instance; vLLM's deferred requests wait for their KV transfer (or LoRA), its capacity ones "
+                  "for the pool or the scheduler.", "short", stacked=True),
+            Panel("Pools by kind", "timeseries", _pools(lbl, leg, f"{n['usage']}{s}"),
+                  "A hybrid model's pools, each with its own usage: the one that binds is the larger (SGLang's "
+                  "token_usage). Full attention holds every token, a sliding-window pool at most the window per "
+                  "request, Mamba one state per request.", "percentunit", max=1.0),
             Panel("Evictions per second", "timeseries", (Query(f"{n['evictions']}{s}", leg),),
                   "Retract (SGLang) / preempt (vLLM) rate: running requests thrown out of L1 and recomputed.", "reqps"),
             Panel("L2 occupancy and hits", "timeseries", (
