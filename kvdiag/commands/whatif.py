@@ -7,7 +7,9 @@ shown against the incident with its errors: a poor fit is said, never hidden), t
 under each remedy (``--remedy``, default: FP8 KV, twice the L1 by TP, one more DP replica,
 the recommended admission limit, a higher memory fraction), each measured through the
 engine's exposition, the adapters and the real checklist. Replays run in worker processes,
-one per core, with a progress bar on a terminal and one plain line per replay when piped.
+one per core, with a progress bar on a terminal and one plain line per replay when piped;
+``--scale K`` replays a scale model (``kvdiag.whatif.scale``) and states its error, measured
+against the calibration at full size.
 Exit 0 with the predictions, 3 when nothing could be fitted (the reason on stderr).
 """
 
@@ -50,6 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a remedy to replay (repeatable): max-running=N, mem-fraction=F, kv-dtype=fp8, tp=N, dp=N, "
                    "l2-ratio=R; a bare name takes its default (default: fp8 KV, 2x TP, one more DP replica, the "
                    "recommended admission limit, a higher memory fraction)")  # fmt: skip
+    p.add_argument("--scale", type=float, default=1.0, metavar="K",
+                   help="replay a scale model: pool, arrivals and admission cap divided by K, step times as at full "
+                   "size (about K times faster); the calibration also runs at full size and the model's error is "
+                   "stated (default 1: full size)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=0, help="replay worker processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--html", metavar="FILE", help="also write the HTML report with a what-if section per instance")
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--follow does not apply to whatif (it replays a window that has ended)")
         if args.jobs < 0:
             raise ValueError("--jobs must be >= 0")
+        if not args.scale >= 1:
+            raise ValueError("--scale must be >= 1")
         collected = collect(args)
     except (cfg.ConfigError, ValueError, OSError, RecordingError, PrometheusError, ExpositionError) as exc:
         print(f"kvdiag whatif: {exc}", file=sys.stderr)
@@ -89,14 +97,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvdiag whatif: {exc}", file=sys.stderr)
             continue
         results.append(WhatIf(f, measure([w], config), Run(instance, None, None, "not run", 0.0)))
-        jobs.append(Job(instance, None, scenario, f.engine, f.interval, config))
-        jobs += [Job(instance, lv, sc, f.engine, f.interval, config) for lv, sc in applied]
+        k = args.scale
+        jobs.append(Job(instance, None, scenario, f.engine, f.interval, config, k))
+        jobs += [Job(instance, lv, sc, f.engine, f.interval, config, k) for lv, sc in applied]
+        if k != 1:  # the scale model's own error, on this window: the calibration at full size too
+            jobs.append(Job(instance, None, scenario, f.engine, f.interval, config))
     if not results:
         print("kvdiag whatif: no instance could be fitted" + ("" if by_instance else " (no engine samples were read)"), file=sys.stderr)
         return EXIT_ERROR
     runs = _replay(jobs, args)
     for w in results:
         mine = [r for r in runs if r.key == w.fit.instance]
+        if args.scale != 1:
+            w.full_calibration, mine = mine[-1], mine[:-1]
         w.calibration, w.remedies = mine[0], mine[1:]
     if args.json:
         print(dumps({"instances": [w.as_json() for w in results]}, indent=2))

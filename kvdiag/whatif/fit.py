@@ -32,7 +32,7 @@ import numpy as np
 from kvdiag import capacity
 from kvdiag.refpool.scenarios import Scenario
 from kvdiag.refpool.workload import Fixed, LengthDist, LogNormal, SharedPrefix, Workload
-from kvdiag.whatif.levers import Sized
+from kvdiag.whatif.deployment import Sized
 from kvdiag.window import Window, counter_step
 
 #: Assumed spread of prompt and output lengths (log-normal sigma): the catalogue's chat load.

@@ -4,8 +4,8 @@ A lever maps a ``Scenario`` (fitted from an incident, or one of the catalogue's)
 scenario with the remedy applied. One function gives both sides of validate's what-if pairs:
 the prediction (the lever on the fitted scenario) and the truth (the lever on the scenario the
 metrics came from). The pool a deployment lever gives is the capacity model's ratio applied to
-the pool the engine reported (``Sized``): the reported pool stays exact, only the change is
-modelled.
+the pool the engine reported (``deployment.Sized``): the reported pool stays exact, only the
+change is modelled.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
-from kvdiag import capacity, engines
+from kvdiag import engines
 from kvdiag.capacity import DTYPE_BYTES
-from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.scenarios import Deployment, Scenario
+from kvdiag.whatif.deployment import sized
 from kvdiag.refpool.workload import Arrivals, Bursty, Periodic, Poisson, Ramp, Workload
 
 #: A data-parallel replica's seed is its workload's seed plus this times its rank.
@@ -25,41 +25,6 @@ REPLICA_SEED = 7919
 
 class LeverError(ValueError):
     """A remedy that cannot be applied as given (unknown name, bad value, no room left)."""
-
-
-@dataclass(frozen=True)
-class Sized(Deployment):
-    """A deployment with its KV dtype, and the pool its engine reported under ``reported_as``.
-
-    ``pool_tokens`` is ``reported_pool`` scaled by the capacity model's pool here over its pool
-    under ``reported_as`` (exactly ``reported_pool`` when nothing changed), so a fit whose
-    model, GPU or memory fraction were assumed still starts from the engine's own pool."""
-
-    kv_dtype: str = "bf16"
-    reported_pool: int | None = None
-    reported_as: Deployment | None = None
-
-    @property
-    def model_pool(self) -> int:
-        """Pool tokens per GPU by the capacity model alone (``kvdiag capacity``)."""
-        spec = capacity.model(self.model)
-        gpu = capacity.GPUS[self.gpu]
-        pool_bytes, _ = capacity.pool_from_memory(spec, self.tp, gpu.memory_bytes, self.mem_fraction, spec.weight_bytes(2))
-        return pool_bytes // spec.kv_bytes_per_token_per_gpu(DTYPE_BYTES[self.kv_dtype], self.tp)
-
-    @property
-    def pool_tokens(self) -> int:
-        if self.reported_pool is None or self.reported_as is None:
-            return self.model_pool
-        return round(self.reported_pool * self.model_pool / sized(self.reported_as).model_pool)
-
-    def roofline(self) -> Roofline:
-        return Roofline(self.model, self.gpu, tp=self.tp, kv_dtype=self.kv_dtype)
-
-
-def sized(d: Deployment) -> Sized:
-    """``d`` as a ``Sized`` (bf16 KV, its model pool) when it is a plain ``Deployment``."""
-    return d if isinstance(d, Sized) else Sized(**{f.name: getattr(d, f.name) for f in fields(Deployment)})
 
 
 @dataclass(frozen=True)
@@ -137,7 +102,7 @@ def _dp(sc: Scenario, value: str) -> Scenario:
                    intent_by_engine={e: i * n for e, i in sc.intent_by_engine.items()})  # fmt: skip
 
 
-def thinned(arrivals: Arrivals, n: int) -> Arrivals:
+def thinned(arrivals: Arrivals, n: float) -> Arrivals:
     """The arrival process one of ``n`` replicas sees (every rate divided by ``n``)."""
     if isinstance(arrivals, (Poisson, Periodic)):
         return replace(arrivals, rate=arrivals.rate / n)

@@ -25,6 +25,7 @@ from kvdiag.model import PoolSample
 from kvdiag.refpool.scenarios import Scenario, ScenarioRun
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.whatif.levers import Lever
+from kvdiag.whatif.scale import scaled
 from kvdiag.window import Window, bucket_quantile
 
 CALIBRATION = "calibration"
@@ -52,6 +53,14 @@ class Outcome:
 
     def as_json(self) -> dict[str, object]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+    def upscaled(self, k: float) -> Outcome:
+        """A scale model's outcome in full-size units (``whatif.scale``): the counts of requests
+        and tokens times ``k``; usage and latencies as they are."""
+        if k == 1:
+            return self
+        waiting, evictions, tput = (None if v is None else v * k for v in (self.waiting, self.evictions_per_min, self.throughput))
+        return replace(self, waiting=waiting, evictions_per_min=evictions, throughput=tput)
 
 
 def measure(windows: Sequence[Window], config: Config) -> Outcome:
@@ -114,6 +123,7 @@ class Job:
     engine: str
     interval: float
     config: Config
+    scale: float = 1.0  # run as a scale model at 1/scale (``whatif.scale``)
 
 
 @dataclass(frozen=True)
@@ -125,19 +135,21 @@ class Run:
     outcome: Outcome | None
     error: str
     wall_s: float
+    scale: float = 1.0
 
     @property
     def label(self) -> str:
-        return CALIBRATION if self.lever is None else self.lever.label
+        name = CALIBRATION if self.lever is None else self.lever.label
+        return name if self.scale == 1 else f"{name} (1/{self.scale:g} scale)"
 
 
 def _run(job: Job) -> Run:
     t0 = time.perf_counter()
     try:
-        outcome = replay(job.scenario, job.engine, job.interval, job.config)
-        return Run(job.key, job.lever, outcome, "", time.perf_counter() - t0)
+        outcome = replay(scaled(job.scenario, job.scale), job.engine, job.interval, job.config).upscaled(job.scale)
+        return Run(job.key, job.lever, outcome, "", time.perf_counter() - t0, job.scale)
     except Exception as exc:  # noqa: BLE001 (one remedy's failure is its row, never the others')
-        return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
+        return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, job.scale)
 
 
 def in_workers(fn: Callable[[T], R], items: Sequence[T], workers: int = 1, progress: Callable[[R], None] | None = None) -> list[R]:

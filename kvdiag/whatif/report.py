@@ -27,6 +27,24 @@ class WhatIf:
     observed: Outcome
     calibration: Run
     remedies: list[Run] = field(default_factory=list)
+    full_calibration: Run | None = None  # with a scale model: the calibration at full size
+
+    @property
+    def scale_errors(self) -> Errors | None:
+        """The scale model's calibration against the full-size one (both simulated: exact P99s)."""
+        full, model = (self.full_calibration.outcome if self.full_calibration else None), self.calibration.outcome
+        return None if full is None or model is None else errors(full, model, exact=True)
+
+    def scale_line(self) -> str:
+        """What the scale model costs in accuracy on this window ("" at full size)."""
+        if self.full_calibration is None:
+            return ""
+        e = self.scale_errors
+        k = f"1/{self.calibration.scale:g}"
+        if e is None:
+            return f"scale model {k}: its error could not be measured ({self.full_calibration.error or self.calibration.error})"
+        return (f"scale model {k}: {'within' if e.good else 'NOT within'} the goal against the full-size calibration "
+                f"({e.describe()}; {self.full_calibration.wall_s:.0f}s at full size, {self.calibration.wall_s:.0f}s at {k})")  # fmt: skip
 
     @property
     def fit_errors(self) -> Errors | None:
@@ -50,6 +68,9 @@ class WhatIf:
             "calibration": _run_json(self.calibration),
             "fit_errors": None if e is None else e.as_json(),
             "fit_quality": self.quality(),
+            "full_calibration": None if self.full_calibration is None else _run_json(self.full_calibration),
+            "scale_errors": None if self.scale_errors is None else self.scale_errors.as_json(),
+            "scale_model": self.scale_line() or None,
             "remedies": [_run_json(r) | {"why": r.lever.why if r.lever else "", "flag": r.lever.flag(self.fit.engine) if r.lever else ""}
                          for r in self.remedies],  # fmt: skip
         }
@@ -90,7 +111,7 @@ def _table(w: WhatIf) -> Table:
         table.add_column(h, no_wrap=True, justify="left" if h == "verdict" else "right")
     table.add_column("lever", overflow="fold")
     table.add_row("observed", *_cells(w.observed), "the incident's own metrics")
-    table.add_row("calibration", *_cells(w.calibration.outcome), w.calibration.error or "the fit, as observed")
+    table.add_row(w.calibration.label, *_cells(w.calibration.outcome), w.calibration.error or "the fit, as observed")
     for r in w.remedies:
         flag = r.lever.flag(w.fit.engine) if r.lever else ""
         note = r.error or "; ".join(x for x in (r.lever.why if r.lever else "", f"engine flag {flag}" if flag else "") if x)
@@ -115,6 +136,8 @@ def render(console: Console, results: list[WhatIf]) -> None:
         console.print(Fitted(knobs, drop=("from",)))
         console.print(Fitted(_table(w), drop=("lever", "mean TTFT", "tokens/s")))
         console.print(w.quality(), style="red" if w.fit_errors is None or not w.fit_errors.good else "green", highlight=False)
+        if w.scale_line():
+            console.print(w.scale_line(), style="green" if w.scale_errors and w.scale_errors.good else "red", highlight=False)
         assumed = ", ".join(k.name for k in f.assumed)
         if assumed:
             console.print(f"assumed (not in the series): {assumed}", style="dim", highlight=False)
@@ -124,7 +147,7 @@ def render(console: Console, results: list[WhatIf]) -> None:
 def html_section(w: WhatIf) -> str:
     """The what-if section of an instance in the HTML report."""
     e = html.escape
-    rows = [("observed", w.observed, "the incident's own metrics"), ("calibration", w.calibration.outcome, w.calibration.error)]
+    rows = [("observed", w.observed, "the incident's own metrics"), (w.calibration.label, w.calibration.outcome, w.calibration.error)]
     rows += [(r.label, r.outcome, r.error or (r.lever.why if r.lever else "")) for r in w.remedies]
     body = "".join(
         "<tr>" + "".join(f"<td>{e(c)}</td>" for c in (label, *_cells(o), note)) + "</tr>" for label, o, note in rows
@@ -135,7 +158,8 @@ def html_section(w: WhatIf) -> str:
     return (
         "<h3>what if: the window replayed through the reference engine under each remedy</h3>"
         f"<p class='{'' if good else 'st firing'}'>{e(w.quality())}</p>"
-        f"<table class='whatif'><tr>{''.join(f'<th>{e(h)}</th>' for h in ('run', *HEADERS, 'lever'))}</tr>{body}</table>"
+        + (f"<p>{e(w.scale_line())}</p>" if w.scale_line() else "")
+        + f"<table class='whatif'><tr>{''.join(f'<th>{e(h)}</th>' for h in ('run', *HEADERS, 'lever'))}</tr>{body}</table>"
         f"<details><summary>fitted knobs (P99 TTFT tolerance {TOLERANCE:.0%})</summary><table class='knobs'>"
         f"<tr><th>knob</th><th>value</th><th>basis</th><th>from</th></tr>{knobs}</table></details>"
     )

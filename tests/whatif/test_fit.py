@@ -10,7 +10,8 @@ import pytest
 
 from kvdiag.refpool.scenarios import LLAMA70_TP2, SCENARIOS
 from kvdiag.whatif.fit import FitError, StepRate, fit
-from kvdiag.whatif.levers import Lever, LeverError, resolve, sized
+from kvdiag.whatif.deployment import sized
+from kvdiag.whatif.levers import Lever, LeverError, resolve
 from kvdiag.window import Window
 from tests.checks.scenario import recording, window
 from tests.whatif.conftest import story
@@ -91,3 +92,17 @@ def test_levers_change_the_knob_they_name() -> None:
     assert [lv.label for lv in resolve(["max-running", "tp"], sc.deployment, 31)] == ["max-running=31", "tp=4"]
     defaults = [lv.name for lv in resolve([], sc.deployment, 31)]
     assert defaults == ["kv-dtype", "tp", "dp", "max-running", "mem-fraction"]
+
+
+def test_a_scale_model_divides_the_pool_the_load_and_the_cap_not_the_step_times() -> None:
+    from kvdiag.refpool.types import ScheduledChunk, SimRequest, StepPlan
+    from kvdiag.whatif.scale import scaled
+
+    sc = replace(SCENARIOS["noisy-healthy"], max_running=9)
+    small = scaled(sc, 4.0)
+    assert small.deployment.pool_tokens == round(sc.deployment.pool_tokens / 4)
+    assert small.workloads[0].arrivals.rate == 1.5 and small.max_running == 3  # 9 / 4, rounded up
+    req = SimRequest("r", 0.0, (1,) * 100, 10, 10)
+    quarter, full = StepPlan([ScheduledChunk(req, 1, 500, False)] * 10), StepPlan([ScheduledChunk(req, 1, 500, False)] * 40)
+    assert small.deployment.roofline().step_time(quarter) == pytest.approx(sc.deployment.roofline().step_time(full))
+    assert scaled(sc, 1.0) is sc

@@ -125,3 +125,18 @@ def test_prometheus_range(live: tuple[str, Prometheus], capsys: pytest.CaptureFi
     [inst] = out["instances"]
     assert inst["fit"]["engine"] == "vllm" and inst["fit"]["interval_s"] == 1.0
     assert inst["remedies"][0]["outcome"]["replicas"] == 2
+
+
+def test_a_scale_model_states_its_error(saturated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scale 2`: the replays run at half the pool and load, the calibration at full size too,
+    and the model's error against it is stated."""
+    code, out, err = whatif(capsys, "--replay", str(saturated), "--remedy", "kv-dtype=fp8", "--scale", "2")
+    assert code == 0, err
+    [inst] = out["instances"]
+    assert inst["calibration"]["remedy"] == "calibration (1/2 scale)" and inst["full_calibration"]["remedy"] == "calibration"
+    e = inst["scale_errors"]
+    assert inst["scale_model"].startswith("scale model 1/2: " + ("within" if e["good"] else "NOT within"))
+    assert f"P99 TTFT {e['p99_ttft']:+.0%}" in inst["scale_model"]
+    assert inst["remedies"][0]["remedy"] == "kv-dtype=fp8 (1/2 scale)"
+    code, _, err = whatif(capsys, "--replay", str(saturated), "--scale", "0.5")
+    assert code == 3 and "--scale must be >= 1" in err

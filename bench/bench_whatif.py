@@ -1,0 +1,115 @@
+"""`kvdiag whatif` on a one-hour window: calibration plus five remedies, wall time, full size and
+a scale model, in one run.
+
+The incident: an hour of the reference pool's benchmark load (bench_refpool.py: 50 req/s of
+chat, 1k-token prompts half shared with one of 8 system prompts, ~800-token answers) on a
+1.5 M-token pool (Llama-3-8B, 2 x H200, memory fraction 0.73), scraped every 15 s and read
+back through the adapters as a recording would be. Then, as `kvdiag whatif` does: the fit, the
+default remedies (FP8 KV, TP x2, one more DP replica, the recommended admission limit, a higher
+memory fraction) and the calibration, replayed in ``--jobs`` worker processes as a scale model
+(``--scale``, default 8), timed wall-clock (the goal: 60 s). The baseline, in the same run: a
+``--baseline-minutes`` window of the same load replayed at full size and as the scale model,
+timed both ways, with each replay's scale-model error against full size (P99 TTFT from both
+sides' simulated requests, as the what-if pairs compare). An hour at full size is not run: at
+the pool's speed here it takes about an hour; the baseline's simulated seconds per wall second
+say how long.
+
+Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale 8] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm]
+Last line: JSON with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from kvdiag.checks import diagnose
+from kvdiag.config import Config
+from kvdiag.refpool.scenarios import Deployment, Scenario
+from kvdiag.refpool.sim import tune_gc
+from kvdiag.refpool.workload import LogNormal, Poisson, SharedPrefix, Workload
+from kvdiag.whatif.compare import errors
+from kvdiag.whatif.fit import fit
+from kvdiag.whatif.levers import resolve
+from kvdiag.whatif.replay import Job, Run, emitted, replay_all
+
+DEPLOYMENT = Deployment("llama-3-8b", "h200", tp=2, mem_fraction=0.73, served_model="meta-llama/Meta-Llama-3-8B-Instruct")
+INTERVAL = 15.0
+
+
+def incident(minutes: float) -> Scenario:
+    load = Workload(Poisson(50.0), LogNormal(1000, 0.5, hi=8000), LogNormal(800, 0.5, hi=4000), prefix=SharedPrefix(8, 0.5), seed=1)
+    return Scenario("bench", "an hour at 50 req/s", ("unknown",), (load,), duration=minutes * 60, deployment=DEPLOYMENT)
+
+
+def replays(jobs: list[Job], workers: int) -> tuple[list[Run], float]:
+    t0 = time.perf_counter()
+    runs = replay_all(jobs, workers, lambda r: print(f"  {r.label}: {r.wall_s:.0f}s {r.error}", flush=True))
+    return runs, time.perf_counter() - t0
+
+
+def whatif(minutes: float, engine: str, scales: tuple[float, ...], workers: int, config: Config) -> dict[str, object]:
+    """The incident of ``minutes``, fitted, and its calibration + default remedies replayed at
+    each of ``scales`` (timed); the scale models' errors against the full-size replays when 1
+    is among them."""
+    t0 = time.perf_counter()
+    [window], _ = emitted(incident(minutes), engine, INTERVAL)
+    t_incident = time.perf_counter() - t0
+    print(f"incident: {minutes:g} min on {engine}, {len(window)} scrapes, simulated in {t_incident:.0f}s", flush=True)
+    f = fit(window)
+    ceiling = diagnose(window, config).figures.get("ceiling")
+    levers = resolve([], f.deployment, int(ceiling) if isinstance(ceiling, (int, float)) else None)
+    scenario = f.scenario()
+    out: dict[str, object] = {"minutes": minutes, "pool_tokens": f.pool_tokens, "rate": round(f.rate, 2),
+                              "incident_s": round(t_incident, 1), "remedies": [lv.label for lv in levers]}  # fmt: skip
+    results: dict[float, list[Run]] = {}
+    for k in scales:
+        jobs = [Job("bench", None, scenario, f.engine, f.interval, config, k)]
+        jobs += [Job("bench", lv, lv.apply(scenario), f.engine, f.interval, config, k) for lv in levers]
+        print(f"calibration + {len(levers)} remedies at 1/{k:g} scale:", flush=True)
+        results[k], wall = replays(jobs, workers)
+        out[f"wall_s_scale_{k:g}"] = round(wall, 1)
+        out[f"sim_s_per_wall_s_per_run_scale_{k:g}"] = round(len(jobs) * (minutes * 60 + f.interval) / sum(r.wall_s for r in results[k]), 1)
+        print(f"  wall {wall:.0f}s for {len(jobs)} replays ({'within' if wall <= 60 else 'over'} the 60 s goal)", flush=True)
+    if 1.0 in results:
+        rows = []
+        for k in (s for s in scales if s != 1.0):
+            for full, model in zip(results[1.0], results[k]):
+                if full.outcome is None or model.outcome is None:
+                    rows.append({"scale": k, "run": full.label, "error": full.error or model.error})
+                    continue
+                e = errors(full.outcome, model.outcome, exact=True)
+                rows.append({"scale": k, "run": full.label, "p99_full_s": full.outcome.p99_ttft_sim,
+                             "p99_scaled_s": model.outcome.p99_ttft_sim, "verdict_full": full.outcome.verdict,
+                             "verdict_scaled": model.outcome.verdict, "errors": e.describe(), "within_goal": e.good})  # fmt: skip
+                print(f"  {full.label}: 1/{k:g} scale model vs full size: {e.describe()}", flush=True)
+            out[f"speedup_scale_{k:g}_vs_full"] = round(float(out["wall_s_scale_1"]) / float(out[f"wall_s_scale_{k:g}"]), 2)  # type: ignore[arg-type]
+        out["scale_model_errors"] = rows
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=60.0, help="the window replayed as a scale model (default 60)")
+    p.add_argument("--scale", type=float, default=8.0, help="the scale model's k (default 8)")
+    p.add_argument("--baseline-minutes", type=float, default=5.0,
+                   help="the window replayed at full size and as the scale model, for the model's error (default 5; "
+                   "an hour at full size takes about an hour here)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="worker processes (default: one per core)")
+    p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"))
+    args = p.parse_args()
+    tune_gc()
+    config = Config()
+    out = {
+        "engine": args.engine,
+        "jobs": args.jobs,
+        "baseline": whatif(args.baseline_minutes, args.engine, (args.scale, 1.0), args.jobs, config),
+        "window": whatif(args.minutes, args.engine, (args.scale,), args.jobs, config),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""A deployment as a replay sees it: KV dtype, the pool its engine reported, a scale model.
+
+The catalogue's ``Deployment`` sizes its pool from the capacity model alone. A replay of an
+incident must start from the pool the engine reported, and a remedy changes it by what the
+capacity model says the change buys (``Sized``). A scale model (``scale`` = k > 1) divides the
+pool by k (the arrivals are divided alike, ``whatif.scale``) while each step takes as long as
+the full-size step would (``ScaledRoofline``), so queueing and TTFT keep their magnitudes at a
+k-th of the simulation's cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvdiag import capacity
+from kvdiag.capacity import DTYPE_BYTES
+from kvdiag.refpool.roofline import Roofline, StepCost
+from kvdiag.refpool.scenarios import Deployment
+
+
+class ScaledRoofline(Roofline):
+    """The roofline of a full-size batch for a batch of a scale model: ``scale`` times the
+    tokens, context and pairs (a k-th of the load makes a k-th of each step's work)."""
+
+    def __init__(self, scale: float, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.scale = scale
+
+    def batch_cost(self, tokens: int, context: int, pairs: float) -> StepCost:
+        k = self.scale
+        return super().batch_cost(round(tokens * k), round(context * k), pairs * k)
+
+
+@dataclass(frozen=True)
+class Sized(Deployment):
+    """A deployment with its KV dtype, and the pool its engine reported under ``reported_as``.
+
+    ``pool_tokens`` is ``reported_pool`` scaled by the capacity model's pool here over its pool
+    under ``reported_as`` (exactly ``reported_pool`` when nothing changed), so a fit whose
+    model, GPU or memory fraction were assumed still starts from the engine's own pool."""
+
+    kv_dtype: str = "bf16"
+    reported_pool: int | None = None
+    reported_as: Deployment | None = None
+    scale: float = 1.0  # a scale model's k: the pool divided by it, step times as at full size
+
+    @property
+    def model_pool(self) -> int:
+        """Pool tokens per GPU by the capacity model alone (``kvdiag capacity``)."""
+        spec = capacity.model(self.model)
+        gpu = capacity.GPUS[self.gpu]
+        pool_bytes, _ = capacity.pool_from_memory(spec, self.tp, gpu.memory_bytes, self.mem_fraction, spec.weight_bytes(2))
+        return pool_bytes // spec.kv_bytes_per_token_per_gpu(DTYPE_BYTES[self.kv_dtype], self.tp)
+
+    @property
+    def pool_tokens(self) -> int:
+        pool = self.model_pool
+        if self.reported_pool is not None and self.reported_as is not None:
+            pool = round(self.reported_pool * pool / sized(self.reported_as).model_pool)
+        return round(pool / self.scale)
+
+    def roofline(self) -> Roofline:
+        if self.scale != 1.0:
+            return ScaledRoofline(self.scale, self.model, self.gpu, tp=self.tp, kv_dtype=self.kv_dtype)
+        return Roofline(self.model, self.gpu, tp=self.tp, kv_dtype=self.kv_dtype)
+
+
+def sized(d: Deployment) -> Sized:
+    """``d`` as a ``Sized`` (bf16 KV, its model pool) when it is a plain ``Deployment``."""
+    return d if isinstance(d, Sized) else Sized(**{f.name: getattr(d, f.name) for f in fields(Deployment)})

@@ -1,0 +1,39 @@
+"""The scale model: a k-th of the pool and of the load, each step as long as at full size.
+
+An hour of a 1.5 M-token pool at 50 req/s costs minutes of the reference pool's time per replay;
+most of that is per running request, so a model with a k-th of the pool (``Sized.scale``),
+a k-th of the arrivals and a k-th of any admission cap runs about k times faster. Each step of
+it holds a k-th of the full-size batch and is timed as the full-size batch would be
+(``ScaledRoofline``), so usage and TTFT keep their magnitudes; queues, evictions and throughput
+count a k-th and are multiplied back (``Outcome.upscaled``). What does not scale (the shared prefixes,
+which take the same tokens of a smaller pool; per-step token budgets; the randomness of a k-th
+of the requests) is the model's error, which ``kvdiag whatif --scale`` measures on the window
+itself (the calibration at both sizes) and ``bench/bench_whatif.py`` on an hour.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from kvdiag.refpool.scenarios import Scenario
+from kvdiag.whatif.deployment import sized
+from kvdiag.whatif.levers import thinned
+
+
+def scaled(scenario: Scenario, k: float) -> Scenario:
+    """``scenario`` at 1/k: pool, arrivals and admission cap divided by ``k``."""
+    if k == 1:
+        return scenario
+
+    def thin(wls: tuple) -> tuple:  # type: ignore[type-arg]
+        return tuple(replace(w, arrivals=thinned(w.arrivals, k)) for w in wls)
+
+    return replace(
+        scenario,
+        deployment=replace(sized(scenario.deployment), scale=k),
+        workloads=thin(scenario.workloads),
+        workloads_by_engine={e: thin(w) for e, w in scenario.workloads_by_engine.items()},
+        max_running=None if scenario.max_running is None else max(1, math.ceil(scenario.max_running / k)),
+    )
+
