@@ -372,8 +372,12 @@ class LMCacheTier:
 
 
 class LMCacheWorker(_Wrapped):
-    """Counts the connector's traffic as LMCache's worker does (stores, retrieves) and refreshes
-    its hit-rate gauges every ``LMCACHE_LOG_INTERVAL_S``."""
+    """Counts the connector's work as LMCache does (lmcache/observability.py@0.5.6): a lookup
+    per request the scheduler considers, over all its tokens (a resumed request's output too),
+    its hits the leading tokens the tier holds, cached per request until it is scheduled
+    (``vllm_v1_adapter.get_num_new_matched_tokens``), so a request blocked at the queue's head
+    is looked up once; retrieves and stores as the connector schedules them. The hit-rate gauges
+    cover the interval since the last ``LMCACHE_LOG_INTERVAL_S`` log."""
 
     def __init__(self, inner: EngineScheduler, kv_bytes_per_token: int) -> None:
         super().__init__(inner)
@@ -381,6 +385,22 @@ class LMCacheWorker(_Wrapped):
         self.lmcache = LMCacheState()
         self._last_log = 0.0
         self._at_log = (0, 0, 0, 0)  # lookup tokens, lookup hits, requested, hit at the last log
+        self._looked_up: set[str] = set()
+        conn = inner.connector  # type: ignore[attr-defined]
+        lookup, after_alloc = conn.get_num_new_matched_tokens, conn.update_state_after_alloc
+
+        def counted_lookup(request, num_computed_tokens: int) -> int:  # noqa: ANN001 (the reference's Request)
+            if request.request_id not in self._looked_up:
+                self._looked_up.add(request.request_id)
+                self.lmcache.lookup_tokens_total += request.num_tokens
+                self.lmcache.lookup_hits_total += conn.manager.lookup(request.block_hashes) * conn.block_size
+            return lookup(request, num_computed_tokens)
+
+        def uncached(request, *args: object) -> None:  # noqa: ANN001
+            self._looked_up.discard(request.request_id)
+            after_alloc(request, *args)
+
+        conn.get_num_new_matched_tokens, conn.update_state_after_alloc = counted_lookup, uncached
 
     def schedule(self, now: float) -> StepPlan:
         plan = self.inner.schedule(now)
@@ -389,8 +409,6 @@ class LMCacheWorker(_Wrapped):
         c.requested_tokens_total += plan.loaded_tokens
         c.hit_tokens_total += plan.loaded_tokens  # a scheduled load is retrieved whole
         st = self.inner.stats()  # type: ignore[attr-defined]
-        c.lookup_tokens_total = st.external_prefix_cache_queries_total
-        c.lookup_hits_total = st.external_prefix_cache_hits_total
         c.vllm_hit_tokens_total = st.prefix_cache_hits_total
         c.prompt_tokens_total = st.prompt_tokens_total
         c.local_cache_usage_bytes = st.cpu_offload_used_blocks * st.block_size * self.kv_bytes_per_token

@@ -592,8 +592,8 @@ class LMCacheState:
     token counters since start, the hit-rate gauges of the last log interval, and the bytes
     its local CPU tier holds."""
 
-    lookup_tokens_total: int = 0  # tokens asked in lookups (the connector's queries)
-    lookup_hits_total: int = 0
+    lookup_tokens_total: int = 0  # tokens asked in lookups (all of a request's tokens, once per scheduling)
+    lookup_hits_total: int = 0  # of those, the leading tokens the tier holds
     requested_tokens_total: int = 0  # tokens asked of retrieve (the lookup hits scheduled for load)
     hit_tokens_total: int = 0  # tokens retrieved
     stored_tokens_total: int = 0
