@@ -1,23 +1,22 @@
-"""Reference-pool speed: simulated seconds per wall second, and pool operations per second.
+"""Reference-pool speed: simulated seconds per wall second, against the step-by-step pool, in one run.
 
 The engine loop: a 1.5 M-token pool (Llama-3-8B step times on an H200) under 50 req/s of
 chat load (1k-token prompts, half shared with one of 8 system prompts, ~800-token answers, so
-about a thousand requests run at once), accounting-only (``NullStore``). The engine first warms
-up to its steady state (not timed), then runs ``--seconds`` simulated seconds (timed); goal
->= 1,000x. Each engine is timed twice in one run: at CPython's default GC thresholds (the
-baseline) and with ``sim.tune_gc()``, as the simulate and validate commands run. Runs of
-identical decode steps are fast-forwarded (exactly; ``--step-by-step`` turns that off). The
-pool operations (with the tuned GC): SGLang's radix tree (match_prefix + insert + lock/unlock,
-with LRU eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per
-second.
+about a thousand requests run at once), accounting-only (``NullStore``), at ``sim.tune_gc()``'s
+thresholds as the simulate and validate commands run. The engine first warms up to its steady
+state (not timed), then runs ``--seconds`` simulated seconds (timed). Each engine runs twice in
+one run: step by step (the baseline: the path the oracle differential and debug runs take, one
+``schedule`` / ``update_from_output`` with a chunk per running request per step) and fast
+(what ``Simulation`` does given a batch step time: batch-level decode accounting and the
+exact decode-run fast-forward), and the ratio is printed. Goal (issue 18): 360 simulated s per
+wall s, a one-hour ``kvdiag whatif`` (calibration + five remedies) in a minute on 2 cores.
 
-The ceiling: what this reference pool could reach at this load if its schedulers cost
-nothing, from the same run's step rate and batch. Both engines' schedulers walk their running
-batch every step, so a model that mirrors them pays at least one loop iteration per running
-request per step; every request also has to be drawn, get its answer's token ids, be looked up
-in the prefix cache, take slots, be cached when it finishes and be released (the request path,
-timed through the pool's own classes with no scheduling at all). It shows where the time must
-go: at 1,000x and 50 req/s the whole budget is 20 us per request.
+Where the rest goes: every request, whatever the scheduler does, has to be drawn, get its
+answer's token ids, be looked up in the prefix cache, take slots, be cached when it finishes
+and be released (the request path, timed through the pool's own classes with no scheduling at
+all); at 50 req/s that alone bounds the speed (at 360x the whole budget is 55 us per request).
+The pool operations: SGLang's radix tree (match_prefix + insert + lock/unlock, with LRU
+eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per second.
 
 Usage: .venv/bin/python bench/bench_refpool.py [--seconds 60] [--warmup 40] [--engine sglang|vllm]
 Last line: JSON with the figures.
@@ -26,12 +25,10 @@ Last line: JSON with the figures.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import random
 import time
-from types import SimpleNamespace
 
 from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
@@ -49,15 +46,16 @@ POOL_TOKENS = 1_500_000
 RATE = 50.0
 
 
-def engine_speed(engine: str, warmup: float, seconds: float, fast_forward: bool = True) -> dict[str, float]:
-    """Simulated seconds per wall second over ``seconds`` after ``warmup`` (both simulated)."""
+def engine_speed(engine: str, warmup: float, seconds: float, fast: bool = True) -> dict[str, float]:
+    """Simulated seconds per wall second over ``seconds`` after ``warmup`` (both simulated);
+    ``fast``: with the batch step time (batch-level decode, decode-run fast-forward)."""
     wl = _bench_workload()
     if engine == "sglang":
         make = lambda: SGLangScheduler(max_total_num_tokens=POOL_TOKENS)  # noqa: E731
     else:
         make = lambda: VLLMScheduler(num_gpu_blocks=POOL_TOKENS // 16 + 1)  # noqa: E731
     roofline = Roofline("llama-3-8b", "h200")
-    sim = Simulation(make, wl.requests(), roofline.step_time, batch_time=roofline.batch_seconds if fast_forward else None)
+    sim = Simulation(make, wl.requests(), roofline.step_time, batch_time=roofline.batch_seconds if fast else None)
     t_start = time.perf_counter()
     sim.run_until(warmup)
     steps0 = len(sim.steps.start)
@@ -114,17 +112,6 @@ def request_path_seconds(engine: str, n: int = 3_000) -> tuple[float, float]:
     return t_draw / n, (time.perf_counter() - t0) / n
 
 
-def loop_iteration_seconds(n: int = 1_000, repeat: int = 200) -> float:
-    """Wall seconds of the cheapest per-request step in Python: one attribute increment per
-    running request (both engines' schedulers walk their running batch every step)."""
-    batch = [SimpleNamespace(num_computed_tokens=0) for _ in range(n)]
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        for r in batch:
-            r.num_computed_tokens += 1
-    return (time.perf_counter() - t0) / (n * repeat)
-
-
 def radix_ops(n: int = 20_000) -> float:
     """match_prefix + insert + inc/dec_lock_ref cycles per second on a pool that must evict."""
     rng = random.Random(0)
@@ -167,44 +154,30 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="simulated seconds timed (default 60)")
     p.add_argument("--warmup", type=float, default=40.0, help="simulated seconds before timing (default 40)")
     p.add_argument("--engine", action="append", choices=("sglang", "vllm"), help="engine(s) to time (default both)")
-    p.add_argument("--step-by-step", action="store_true", help="no fast-forward of identical decode steps")
     args = p.parse_args()
     out: dict[str, object] = {"pool_tokens": POOL_TOKENS, "rate": RATE}
-    default_gc = gc.get_threshold()
-    for engine in args.engine or ("sglang", "vllm"):
-        gc.set_threshold(*default_gc)
-        base = engine_speed(engine, args.warmup, args.seconds, fast_forward=not args.step_by_step)
-        tune_gc()  # as `kvdiag simulate` and `kvdiag validate` run
-        r = engine_speed(engine, args.warmup, args.seconds, fast_forward=not args.step_by_step)
-        r["sim_per_wall_default_gc"] = base["sim_per_wall"]
+    tune_gc()  # as `kvdiag simulate` and `kvdiag validate` run
+    engines = args.engine or ("sglang", "vllm")
+    for engine in engines:
+        base = engine_speed(engine, args.warmup, args.seconds, fast=False)
+        r = engine_speed(engine, args.warmup, args.seconds, fast=True)
+        r["step_by_step_sim_per_wall"] = base["sim_per_wall"]
+        r["speedup"] = r["sim_per_wall"] / base["sim_per_wall"]
         out[engine] = r
         print(
             f"{engine}: {r['sim_per_wall']:.1f} simulated s per wall s in steady state ({r['steps_per_s']:.0f} steps/s, "
             f"{r['running']:.0f} running), {r['sim_per_wall_from_empty']:.1f} from an empty pool; "
-            f"{r['sim_per_wall'] / base['sim_per_wall']:.2f}x the same run at CPython's default GC thresholds "
-            f"({base['sim_per_wall']:.1f})"
+            f"{r['speedup']:.2f}x the step-by-step pool in the same run ({base['sim_per_wall']:.1f})"
         )
-    # Ceilings at this load, from this run's step rate and batch: what this reference pool
-    # could reach if scheduling cost nothing but one loop iteration per running request per step.
-    t_iter = loop_iteration_seconds()
-    for engine in args.engine or ("sglang", "vllm"):
+    for engine in engines:
         r = out[engine]
         t_draw, t_path = request_path_seconds(engine)
-        steps_per_sim_s = r["steps_per_s"] / r["sim_per_wall"]
-        loop_s = steps_per_sim_s * r["running"] * t_iter  # wall s per simulated s
-        r.update(
-            draw_us=t_draw * 1e6,
-            pool_path_us=t_path * 1e6,
-            ceiling_sim_per_wall=1 / (RATE * (t_draw + t_path) + loop_s),
-            ceiling_loop_only=1 / loop_s,
-        )
+        r.update(draw_us=t_draw * 1e6, pool_path_us=t_path * 1e6, ceiling_sim_per_wall=1 / (RATE * (t_draw + t_path)))
         print(
-            f"{engine} ceiling: {r['ceiling_sim_per_wall']:.0f}x with no scheduling work but one loop iteration per running "
-            f"request per step ({t_iter * 1e9:.0f} ns x {r['running']:.0f} running x {steps_per_sim_s:.1f} steps per "
-            f"simulated s: {r['ceiling_loop_only']:.0f}x alone) and each request's path ({t_draw * 1e6:.0f} us to draw it, "
-            f"{t_path * 1e6:.0f} us through the pool); {1e6 / (1000 * RATE):.0f} us per request is the whole budget at 1,000x"
+            f"{engine} request path: {t_draw * 1e6:.0f} us to draw a request, {t_path * 1e6:.0f} us through the pool: "
+            f"{r['ceiling_sim_per_wall']:.0f}x at {RATE:.0f} req/s with no scheduling at all "
+            f"(360x leaves {1e6 / (360 * RATE):.0f} us per request)"
         )
-    out["loop_iteration_ns"] = t_iter * 1e9
     out["radix_ops_per_s"] = radix_ops()
     out["block_pool_ops_per_s"] = block_pool_ops()
     print(f"radix tree: {out['radix_ops_per_s']:,.0f} ops/s; block pool: {out['block_pool_ops_per_s']:,.0f} ops/s")

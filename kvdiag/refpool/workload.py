@@ -279,7 +279,10 @@ class _Stream:
         n = self.w.input_len.sample(self.len_rng)
         if not self.prefixes:
             return _tokens(self.tok_rng, n)
-        group = int(self.pick_rng.choice(len(self.prefixes), p=self.weights))
+        if self.weights is None:  # uniform: what choice(n) draws, without its argument checks
+            group = int(self.pick_rng.integers(0, len(self.prefixes)))
+        else:
+            group = int(self.pick_rng.choice(len(self.prefixes), p=self.weights))
         return self.prefixes[group] + _tokens(self.tok_rng, max(1, round(n * (1 - self.w.prefix.share))))
 
     def _request(self, rid: str, t: float, prompt: tuple[int, ...]) -> SimRequest:

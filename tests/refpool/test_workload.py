@@ -120,6 +120,13 @@ def test_no_prefix_means_no_sharing() -> None:
     assert prefix_share(reqs) < 0.01
 
 
+def test_uniform_prefix_pick_draws_what_choice_draws() -> None:
+    """The uniform group pick uses ``integers(0, n)``, which is what ``choice(n)`` draws: the
+    streams (and every recording made from them) stay as they were."""
+    a, b = np.random.default_rng(3), np.random.default_rng(3)
+    assert [int(a.integers(0, 8)) for _ in range(500)] == [int(b.choice(8)) for _ in range(500)]
+
+
 def test_zipf_popularity_favours_the_first_group() -> None:
     w = Workload(Poisson(10), Fixed(100), Fixed(4), prefix=SharedPrefix(5, 0.5, zipf=1.5), seed=9)
     reqs = take(w, 600)

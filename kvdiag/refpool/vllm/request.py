@@ -80,11 +80,17 @@ class Request:
     def hash_blocks_to(self, num_tokens: int) -> None:
         """Hash every full block of the first ``num_tokens`` tokens; a steady request
         (``batch_decode.py``) hashes its sampled-ahead answer this way before its output is
-        brought up to date."""
+        brought up to date. The blocks' tokens are sliced out of one run (a prompt's ~60
+        blocks at arrival were most of a request's cost)."""
         bs, hashes = self.block_size, self.block_hashes
-        while len(hashes) < num_tokens // bs:
-            lo = len(hashes) * bs
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else 0, self._tokens(lo, lo + bs)))
+        lo, hi = len(hashes) * bs, num_tokens // bs * bs
+        if lo >= hi:
+            return
+        tokens = self._tokens(lo, hi)
+        h = hashes[-1] if hashes else 0
+        for i in range(0, hi - lo, bs):
+            h = hash_block_tokens(h, tokens[i : i + bs])
+            hashes.append(h)
 
     def _tokens(self, lo: int, hi: int) -> tuple[int, ...]:
         """Tokens ``lo..hi-1`` of prompt + output, without concatenating the whole sequence;
