@@ -317,6 +317,28 @@ def test_saved_deployment_dialects_are_what_the_emitter_writes(deployment_runs: 
         assert sample.usage_ratio is not None and sample.waiting is not None, (name, engine)
 
 
+def _read(name: str, engine: str):  # noqa: ANN202 (the PoolSamples of one saved body)
+    return normalize_scrape(Scrape(EPOCH, "http://engine:8000", content_type(False), emitted_dialects.read(name)), engine)
+
+
+def test_saved_deployment_dialects_read_as_their_deployment() -> None:
+    """What kvdiag's adapters make of the emitter's bodies: each role, its queues split by what
+    they wait for, the hybrid model's binding pool, LMCache's exporter as a tier of its own."""
+    (dec,) = _read("pd-decode-pool-sglang.prom", "sglang")
+    assert dec.role == "decode" and dec.waiting_capacity == dec.waiting >= 50 and dec.recompute_tokens_total
+    (pre,) = _read("pd-decode-pool-sglang-prefill.prom", "sglang")
+    assert pre.role == "prefill" and pre.waiting_deferred == dec.waiting  # its bootstrap queue: the decode's prealloc
+    (vdec,) = _read("pd-decode-pool-vllm.prom", "vllm")
+    assert vdec.role == "decode" and vdec.waiting_capacity == vdec.waiting >= 50
+    (xfer,) = _read("pd-kv-transfer-vllm.prom", "vllm")
+    assert xfer.role == "decode" and xfer.waiting_deferred == xfer.waiting >= 50 and xfer.waiting_capacity == 0
+    (swa,) = _read("hybrid-swa-sglang.prom", "sglang")
+    assert swa.binding_pool is not None and swa.binding_pool.kind == "swa" and swa.binding_pool.usage_ratio >= 0.95
+    assert {p.kind: p.usage_ratio for p in swa.pools}["full"] < 0.65
+    (tier,) = _read("lmcache-underused-vllm-lmcache.prom", "vllm")
+    assert tier.tier_only and tier.l2_hit_tokens_total
+
+
 def _serve_in_thread(args: list[str]):  # noqa: ANN202
     import threading
 
