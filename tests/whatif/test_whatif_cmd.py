@@ -140,3 +140,37 @@ def test_a_scale_model_states_its_error(saturated: Path, capsys: pytest.CaptureF
     assert inst["remedies"][0]["remedy"] == "kv-dtype=fp8 (1/2 scale)"
     code, _, err = whatif(capsys, "--replay", str(saturated), "--scale", "0.5")
     assert code == 3 and "--scale must be >= 1" in err
+
+
+def test_a_terminal_gets_a_progress_bar_and_uncut_names(tmp_path: Path) -> None:
+    """On an 80-column terminal: the rich progress bar (not the piped lines), and every run's
+    name and verdict whole (the tables are ``Fitted``)."""
+    import os
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    rec = record("noisy-healthy", "vllm", 60.0, tmp_path / "healthy.jsonl.gz")
+    main_fd, child_fd = pty.openpty()
+    cmd = [sys.executable, "-m", "kvdiag", "whatif", "--replay", str(rec), "--remedy", "kv-dtype", "--remedy", "mem-fraction=0.95", "--jobs", "1"]
+    proc = subprocess.Popen(cmd, stdin=child_fd, stdout=child_fd, stderr=child_fd, env={**os.environ, "COLUMNS": "80", "LINES": "40"})
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main_fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    os.close(main_fd)
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    assert "━" in out and "3/3" in out and "whatif [1/3]" not in out  # the bar, not the piped lines
+    tables = out[out.index("fitted knobs"):]  # after the (transient) bar
+    for name in ("calibration", "kv-dtype=fp8", "mem-fraction=0.95", "healthy", "fit: "):
+        assert name in tables
+    assert "…" not in tables  # nothing cut
+    assert max(len(line) for line in tables.splitlines()) <= 80
