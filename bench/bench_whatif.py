@@ -32,7 +32,7 @@ from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.workload import LogNormal, Poisson, SharedPrefix, Workload
 from kvdiag.whatif.compare import errors
 from kvdiag.whatif.fit import fit
-from kvdiag.whatif.levers import resolve
+from kvdiag.whatif.levers import recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, emitted, replay_all
 
 DEPLOYMENT = Deployment("llama-3-8b", "h200", tp=2, mem_fraction=0.73, served_model="meta-llama/Meta-Llama-3-8B-Instruct")
@@ -59,8 +59,7 @@ def whatif(minutes: float, engine: str, scales: tuple[float, ...], workers: int,
     t_incident = time.perf_counter() - t0
     print(f"incident: {minutes:g} min on {engine}, {len(window)} scrapes, simulated in {t_incident:.0f}s", flush=True)
     f = fit(window)
-    ceiling = diagnose(window, config).figures.get("ceiling")
-    levers = resolve([], f.deployment, int(ceiling) if isinstance(ceiling, (int, float)) else None)
+    levers = resolve([], f.deployment, recommended_limit(diagnose(window, config).figures))
     scenario = f.scenario()
     out: dict[str, object] = {"minutes": minutes, "pool_tokens": f.pool_tokens, "rate": round(f.rate, 2),
                               "incident_s": round(t_incident, 1), "remedies": [lv.label for lv in levers]}  # fmt: skip

@@ -32,7 +32,7 @@ from kvdiag.report.json import dumps
 from kvdiag.sources.prometheus import PrometheusError
 from kvdiag.sources.recording import RecordingError
 from kvdiag.whatif.fit import FitError, fit
-from kvdiag.whatif.levers import LeverError, parse, resolve
+from kvdiag.whatif.levers import LeverError, parse, recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, measure, replay_all
 from kvdiag.whatif.report import WhatIf, html_section, render
 from kvdiag.window import windows
@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             f = fit(w)
             d = diagnose(w, config)
-            ceiling = d.figures.get("ceiling")
-            levers = resolve(args.remedy, f.deployment, int(ceiling) if isinstance(ceiling, (int, float)) else None)
+            levers = resolve(args.remedy, f.deployment, recommended_limit(d.figures))
             scenario = f.scenario()
             applied = [(lv, lv.apply(scenario)) for lv in levers]
         except (FitError, LeverError) as exc:

@@ -11,7 +11,7 @@ change is modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from kvdiag import engines
 from kvdiag.capacity import DTYPE_BYTES
@@ -147,11 +147,18 @@ def defaults(deployment: Deployment, admission_limit: int | None) -> list[Lever]
     out.append(Lever("tp", str(2 * d.tp), "twice the GPUs per replica: more than twice the pool (weights split too)"))
     out.append(Lever("dp", "2", "one more data-parallel replica: half the load per pool"))
     if admission_limit:
-        out.append(Lever("max-running", str(admission_limit), "the recommended admission limit (the checklist's ceiling)"))
+        out.append(Lever("max-running", str(admission_limit), "the checklist's recommended admission limit"))
     higher = round(min(0.98, d.mem_fraction + 0.05), 2)
     if higher > d.mem_fraction:
         out.append(Lever("mem-fraction", f"{higher:g}", f"a higher static memory fraction than {d.mem_fraction:g}"))
     return out
+
+
+def recommended_limit(figures: Mapping[str, object]) -> int | None:
+    """The checklist's recommended admission limit from a diagnosis' figures (``checks.remedies``:
+    ``limit``, or ``ceiling`` where a checklist gives no separate limit); None where unknown."""
+    value = figures.get("limit", figures.get("ceiling"))
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def resolve(requested: list[str], deployment: Deployment, admission_limit: int | None) -> list[Lever]:

@@ -11,7 +11,7 @@ import pytest
 from kvdiag.refpool.scenarios import LLAMA70_TP2, SCENARIOS
 from kvdiag.whatif.fit import FitError, StepRate, fit
 from kvdiag.whatif.deployment import sized
-from kvdiag.whatif.levers import Lever, LeverError, resolve
+from kvdiag.whatif.levers import Lever, LeverError, recommended_limit, resolve
 from kvdiag.window import Window
 from tests.checks.scenario import recording, window
 from tests.whatif.conftest import story
@@ -90,6 +90,8 @@ def test_levers_change_the_knob_they_name() -> None:
     with pytest.raises(LeverError, match="give a value"):
         resolve(["max-running"], sc.deployment, None)  # no ceiling known: no default
     assert [lv.label for lv in resolve(["max-running", "tp"], sc.deployment, 31)] == ["max-running=31", "tp=4"]
+    assert recommended_limit({"limit": 40, "ceiling": 31}) == 40 and recommended_limit({"ceiling": 31}) == 31
+    assert recommended_limit({"limit": None}) is None and recommended_limit({}) is None
     defaults = [lv.name for lv in resolve([], sc.deployment, 31)]
     assert defaults == ["kv-dtype", "tp", "dp", "max-running", "mem-fraction"]
 
