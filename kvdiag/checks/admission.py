@@ -14,15 +14,19 @@ which can happen well before the usage gauge reads 1:
   adapter says so: ``engines.usage_after_frees``) shows that room as free, yet the next step's
   admission refills it at once. With short answers a step frees a large share of the pool, so
   the gauge reads 0.85-0.90 while admission is refused at every step. In steady state a request
-  lives ``output`` steps and the running requests (the gauge, after the frees) hold
-  ``usage x (output - 1) / output`` of what they held at the peak, so one step frees
-  ``usage / (output - 1)`` of the pool (``freed``; nothing where output <= 1: a request that
-  lives one step is bounded by the step's token budget, not the pool).
+  lives ``steps = output + chunks - 1`` steps (``chunks = ceil(uncached prompt / chunk)``: a
+  prompt longer than the engine's default step budget, from its adapter, is prefilled over
+  several steps, the last of which yields the first output token) and the running requests (the
+  gauge, after the frees) hold ``usage x (steps - 1) / steps`` of what they held at the peak, so
+  one step frees ``usage / (steps - 1)`` of the pool (``freed``; nothing where output <= 1: a
+  request that lives one step is bounded by the step's token budget, not the pool). Counting
+  the chunks only lowers the estimate (the budget is the smallest default, and decodes share
+  it), so long chunked prompts are not read as a step freeing more than it does.
 
 At the evaluation instant (the newest sample)::
 
     need      = prompt x (1 - hit ratio)  [+ min(output, clip) x (1 + reserve_ratio x running)]
-    admission = min(1, usage + need / capacity [+ usage / (output - 1)])
+    admission = min(1, usage + need / capacity [+ usage / (output - 1 + chunks - 1)])
 
 ``prompt`` and ``output`` are tokens per finished request, ``rate(tokens[window]) /
 rate(requests[window])``, and ``hit ratio`` is ``rate(hits[window]) / rate(queries[window])``
@@ -41,6 +45,7 @@ the need is 0 and admission usage is the usage gauge (``basis`` says which input
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,7 +100,9 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
         basis = "usage, uncached prompt and output reserve"
     freed = 0.0
     if _usage_after_frees(window.engine) and output is not None and output > 1 and len(usage):
-        freed = usage_last / (output - 1)
+        chunk = _prefill_chunk(window.engine)
+        chunks = math.ceil(prompt * (1 - hit) / chunk) if chunk else 1
+        freed = usage_last / (output - 1 + max(0, chunks - 1))
         basis += " and the room one step frees"
     ratio = need / capacity + freed
     need = need + freed * capacity
@@ -123,6 +130,14 @@ def _usage_after_frees(engine: str) -> bool:
         return engines.usage_after_frees(engine)
     except KeyError:
         return False
+
+
+def _prefill_chunk(engine: str) -> int | None:
+    """The most prompt tokens the engine prefills in one step by default (its adapter knows it)."""
+    try:
+        return engines.prefill_chunk_tokens(engine)
+    except KeyError:
+        return None
 
 
 def _output_clip(engine: str) -> int | None:

@@ -52,6 +52,11 @@ def usage_after_frees(engine: str) -> bool:
     return bool(ADAPTERS[engine].USAGE_AFTER_FREES)
 
 
+def prefill_chunk_tokens(engine: str) -> int | None:
+    """The most prompt tokens one step prefills by default (None: not needed for this engine)."""
+    return ADAPTERS[engine].PREFILL_CHUNK_TOKENS  # type: ignore[no-any-return]
+
+
 def enable_hint(engine: str) -> str:
     return ADAPTERS[engine].ENABLE_HINT
 

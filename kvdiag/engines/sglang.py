@@ -136,6 +136,9 @@ OUTPUT_RESERVE_CLIP = 4096
 #: that end at their first token, so the gauge is not one step's frees below the peak.
 USAGE_AFTER_FREES = False
 
+#: Only the freed-room estimate of an engine whose gauge is read after the frees reads this.
+PREFILL_CHUNK_TOKENS: int | None = None
+
 _STREAM = ("is_streaming",)
 
 

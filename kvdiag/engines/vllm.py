@@ -94,6 +94,12 @@ OUTPUT_RESERVE_CLIP: int | None = None
 #: refills that room at once: under load the gauge reads one step's frees below the pool's peak.
 USAGE_AFTER_FREES = True
 
+#: The smallest default token budget of one step (the OpenAI server's max_num_batched_tokens:
+#: 2048 below 70 GiB of GPU memory, 8192 on H100/H200, 16384 from 160 GiB): an uncached prompt
+#: longer than this is prefilled over several steps, so its request lives that many steps more
+#: and one step frees less of the pool (the admission check's freed room).
+PREFILL_CHUNK_TOKENS: int | None = 2048
+
 
 def detect(expo: Exposition) -> bool:
     return any(expo.get(name) is not None for name in SIGNATURE)

@@ -252,8 +252,8 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
                      "output tokens per finished request")
     seq = add(None, f"{prompt_avg} + {output_avg}", f"instance:kvdiag_sequence_tokens:avg{w}",
               "average input + output tokens per finished request")
-    hit_ratio = _catalog("instance:kvdiag_prefix_hit:ratio{window}", config)[0]
-    shared = add(None, f"({prompt_avg} * {hit_ratio} or 0 * {prompt_avg})", f"instance:kvdiag_shared_prefix_tokens:avg{w}",
+    hit = _catalog("instance:kvdiag_prefix_hit:ratio{window}", config)[0]
+    shared = add(None, f"({prompt_avg} * {hit} or 0 * {prompt_avg})", f"instance:kvdiag_shared_prefix_tokens:avg{w}",
                  "cached prompt tokens per finished request (prompt x hit ratio): a shared prefix, held once")
     add(None, f"floor(clamp_min({capacity} - {shared}, 0) / (({seq} - {shared}) > 0))",
         f"instance:kvdiag_concurrency_ceiling:requests{w}",
@@ -266,15 +266,16 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     reserve = add(None, gauge(lbl, S + "new_token_ratio"), "instance:kvdiag_decode_reserve:ratio",
                   "share of running requests' remaining output that admission holds back, where reported")
     running = _catalog("instance:kvdiag_running:requests", config)[0]
-    hit = _catalog("instance:kvdiag_prefix_hit:ratio{window}", config)[0]
     prompt_need = f"{prompt_avg} * (1 - {hit})"
     charged = f"clamp_max({output_avg}, {sglang.OUTPUT_RESERVE_CLIP})"
     output_need = f"({charged} * (1 + {reserve} * {running}) or 0 * {prompt_need})"
     # vLLM reads its usage gauge after the step's frees, which the next admission refills: one
-    # step frees usage / (output - 1) of the pool (nothing where a request lives one step).
+    # step frees usage / (output - 1 + chunks - 1) of the pool, chunks = the steps its uncached
+    # prompt takes at the default step budget (nothing where a request lives one step).
     vllm_output = (f"{counter_rate(lbl, V + 'generation_tokens', w)}"
                    f" / ({summed_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))} > 0)")
-    freed = f"({usage} / (({vllm_output}) - 1 > 0) or 0 * {prompt_need})"
+    chunks = f"clamp_min(ceil({prompt_need} / {vllm.PREFILL_CHUNK_TOKENS}) - 1, 0)"
+    freed = f"({usage} / ((({vllm_output}) - 1 > 0) + {chunks}) or 0 * {prompt_need})"
     need = add("instance:kvdiag_kv_admission_need:ratio{window}", first(
         f"(({prompt_need} + {output_need}) / {capacity} + {freed}) >= 0",  # >= 0 drops NaN (0/0) and -Inf
         f"0 * {usage}",
