@@ -447,9 +447,9 @@ JOIN_SECONDS = 60.0
 
 
 def join_tiers(samples: Iterable[PoolSample]) -> list[PoolSample]:
-    """Fold each tier-only sample into the engine samples of the same model (the nearest in
-    time, within ``JOIN_SECONDS``); a tier no engine instance serves stays its own instance, so
-    that it is reported (unknown: it has no pool) rather than lost."""
+    """Fold each tier-only sample into the engine samples of the same model (``join_tier``); a
+    tier no engine instance serves stays its own instance, so that it is reported (unknown: it
+    has no pool) rather than lost."""
     samples = list(samples)
     tiers: dict[str | None, list[PoolSample]] = {}
     for s in samples:
@@ -459,22 +459,31 @@ def join_tiers(samples: Iterable[PoolSample]) -> list[PoolSample]:
         return samples
     joined: set[int] = set()
     for s in samples:
-        if s.tier_only or s.model not in tiers:
-            continue
-        candidates = _same_host(s, tiers[s.model])
-        if not candidates:
-            continue
-        t = min(candidates, key=lambda x: abs(x.ts - s.ts))
-        if abs(t.ts - s.ts) > JOIN_SECONDS:
-            continue
-        joined.add(id(t))
-        for name in TIER_FIELDS:
-            v = getattr(t, name)
-            if v is not None and (name in TIER_COUNTS or getattr(s, name) is None):
-                src = t.provenance[name]
-                s.set(name, v, replace(src, note="; ".join(x for x in (src.note, f"joined by model from {t.instance.split(' ')[0]}") if x)))
-        s.l2_tier = t.l2_tier or s.l2_tier
+        if not s.tier_only and s.model in tiers:
+            t = join_tier(s, tiers[s.model])
+            if t is not None:
+                joined.add(id(t))
     return [s for s in samples if not s.tier_only or id(s) not in joined]
+
+
+def join_tier(engine: PoolSample, tiers: Iterable[PoolSample]) -> PoolSample | None:
+    """Fold into one engine sample the tier-only sample that belongs to it: same model, same
+    host (``_same_host``), the nearest in time within ``JOIN_SECONDS``; the one joined, or None.
+    The CLI joins a recording's samples with it, the exporter each scrape with the newest
+    sample of every tier target it scrapes."""
+    candidates = _same_host(engine, [t for t in tiers if t.tier_only and t.model == engine.model])
+    if not candidates:
+        return None
+    t = min(candidates, key=lambda x: abs(x.ts - engine.ts))
+    if abs(t.ts - engine.ts) > JOIN_SECONDS:
+        return None
+    for name in TIER_FIELDS:
+        v = getattr(t, name)
+        if v is not None and (name in TIER_COUNTS or getattr(engine, name) is None):
+            src = t.provenance[name]
+            engine.set(name, v, replace(src, note="; ".join(x for x in (src.note, f"joined by model from {t.instance.split(' ')[0]}") if x)))
+    engine.l2_tier = t.l2_tier or engine.l2_tier
+    return t
 
 
 def _host(instance: str) -> str | None:

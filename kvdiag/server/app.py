@@ -204,9 +204,10 @@ def contained(state: TargetState, render: Callable[[TargetState], list], failed:
 
 
 def _diagnoses(state: TargetState, config: Config, now: float) -> list[Diagnosis]:
-    """The target's current answers: its fresh instances', else why it has none."""
+    """The target's current answers: its fresh instances', else why it has none (a KV tier's
+    own exporter that an engine instance joined answers through that instance)."""
     fresh = fresh_instances(state, config, now)
-    found = [i.diagnosis for i in fresh if i.diagnosis is not None]
+    found = [i.diagnosis for i in fresh if i.diagnosis is not None and not i.joined(now)]
     if not fresh and state.failure is not None:
         found.append(state.failure)
     return found
@@ -239,10 +240,12 @@ def _instance_rows(state: TargetState, source: str, config: Config, now: float) 
         return [{**base, "instance": state.url, "verdict": "unknown", "severity": "warning", "reason": reason, "latest": None}]
     rows = []
     for inst in fresh:
-        d = inst.diagnosis
+        joined = inst.joined_to if inst.joined(now) else None  # a KV tier's exporter, shown through its engine
+        d = None if joined else inst.diagnosis
         latest = sample_json(inst.latest) if inst.latest is not None else None
         if latest is not None:
             latest["evictions_total_corrected"] = inst.evictions_total
+        reason = d.verdict.reason if d else f"joined to instance {joined}: its figures are on that instance's verdict" if joined else "not evaluated yet"
         rows.append(
             {
                 **base,
@@ -250,7 +253,8 @@ def _instance_rows(state: TargetState, source: str, config: Config, now: float) 
                 "samples": len(inst.ring),
                 "verdict": d.verdict.name if d else None,
                 "severity": d.verdict.severity if d else None,
-                "reason": d.verdict.reason if d else "not evaluated yet",
+                "reason": reason,
+                "joined_to": joined,
                 "ttft_p99_seconds": inst.ttft_p99,
                 "latest": latest,
             }

@@ -10,7 +10,9 @@ scrape, connect to last byte, see ``kvdiag.sources.scrape``), and everyone else 
 schedule. ``/probe`` targets live in a separate, size-bounded table with their own windows,
 scraped when Prometheus asks, on a worker pool of their own (``probe.concurrency``): a flood
 of probes of a target that never answers fills that pool and is turned away (503), and never
-reaches the scrape workers or the threads that serve /healthz, /metrics and the API.
+reaches the scrape workers or the threads that serve /healthz, /metrics and the API. A KV
+tier's own exporter joins the engines of the same table (configured with configured, probed with
+probed; ``kvdiag.server.state.join``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from urllib.parse import urlsplit
 
 from kvdiag import checks
 from kvdiag.server.settings import Settings
-from kvdiag.server.state import Diagnose, ScrapeOptions, TargetState, Undiagnosable, scrape_into
+from kvdiag.server.state import Diagnose, InstanceState, ScrapeOptions, TargetState, Undiagnosable, scrape_into
 from kvdiag.server.targets import FileSD, Target, combine
 
 log = logging.getLogger("kvdiag.serve")
@@ -143,6 +145,11 @@ class ScrapeLoop:
         with self._lock:
             return list((self.probes if probes else self.targets).values())
 
+    def tiers(self, probes: bool = False) -> list[InstanceState]:
+        """The instances of KV tiers' own exporters among the configured targets (or the probed
+        ones): what an engine scrape of the same table joins."""
+        return [i for s in self.snapshot(probes) for i in list(s.instances.values()) if i.latest is not None and i.latest.tier_only]
+
     # --- running -------------------------------------------------------------------------
 
     def start(self) -> "ScrapeLoop":
@@ -183,7 +190,7 @@ class ScrapeLoop:
     def _job(self, state: TargetState) -> None:
         try:
             with state.lock:
-                scrape_into(state, self.opts, self.diagnose, self.undiagnosable)
+                scrape_into(state, self.opts, self.diagnose, self.undiagnosable, self.tiers)
         finally:
             state.busy = False
 
@@ -238,7 +245,7 @@ class ScrapeLoop:
         try:
             state.engine = engine
             opts = replace(self.probe_opts, timeout=deadline, auth=self.settings.probe.auth_for(urlsplit(url).hostname or ""))
-            scrape_into(state, opts, self.diagnose, self.undiagnosable)
+            scrape_into(state, opts, self.diagnose, self.undiagnosable, lambda: self.tiers(probes=True))
         finally:
             state.lock.release()
         return state

@@ -7,6 +7,11 @@ verdict, with the reason; nothing propagates to other targets, and an unexpected
 traceback is logged once per target and kind, not on every scrape. A restarted engine is seen as counters that
 dropped: the window's increases are reset-safe, and the exported eviction counter adds the
 post-restart value instead of going backwards (what Prometheus' ``increase()`` assumes).
+
+A KV tier's own exporter (LMCache's /metrics) is a target of its own with no pool: each engine
+scrape takes the newest sample of the tier serving its model on its host (``join``, the CLI's
+``kvdiag.window.join_tier``), so the tier shows on the engine instance's verdict, and the
+tier's own instance is shown through it (``InstanceState.joined``) rather than as an unknown.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from kvdiag.model import Diagnosis, PoolSample
 from kvdiag.server.ring import Ring
 from kvdiag.server.targets import Target
 from kvdiag.sources.scrape import MAX_REDIRECTS, Auth, ScrapeError, Vet, scrape
-from kvdiag.window import Window, counter_step
+from kvdiag.window import JOIN_SECONDS, Window, counter_step, join_tier
 
 log = logging.getLogger("kvdiag.serve")
 
 Diagnose = Callable[[Window, Config], Diagnosis]
 Undiagnosable = Callable[[str, str, float], Diagnosis]
+#: The instances of a KV tier's own exporter an engine scrape may join (the loop's other targets').
+Tiers = Callable[[], list["InstanceState"]]
 
 #: The TTFT quantile published as kvdiag_ttft_p99_seconds (the checks' own quantile is a setting).
 P99 = 0.99
@@ -63,6 +70,13 @@ class InstanceState:
     diagnosis: Diagnosis | None = None
     ttft_p99: float | None = None
     evaluated_at: float = float("-inf")
+    joined_to: str | None = None  # a KV tier's instance: the engine instance that took its last sample
+    joined_at: float = float("-inf")  # that engine sample's time
+
+    def joined(self, now: float) -> bool:
+        """A KV tier's instance whose samples an engine instance took within ``JOIN_SECONDS``:
+        its figures are on that instance's verdict, so it has no verdict of its own."""
+        return self.joined_to is not None and now - self.joined_at <= JOIN_SECONDS
 
     @property
     def latest(self) -> PoolSample | None:
@@ -108,8 +122,9 @@ class TargetState:
         return self.target.url
 
 
-def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, undiagnosable: Undiagnosable) -> None:
-    """Scrape one target once and update its state; never raises for a target's fault."""
+def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, undiagnosable: Undiagnosable, tiers: Tiers | None = None) -> None:
+    """Scrape one target once and update its state; never raises for a target's fault. Its
+    engine samples join the KV tiers ``tiers`` returns (``join``)."""
     start, started_at = time.monotonic(), time.time()
     auth = opts.auth
     if state.target.basic is not None:
@@ -117,6 +132,8 @@ def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, und
     try:
         got = scrape(state.url, opts.timeout, opts.max_bytes, auth=auth, redirects=opts.redirects, vet=opts.vet)
         samples = normalize_scrape(got, state.engine, MAX_INSTANCES_PER_TARGET)
+        if tiers is not None:
+            join(samples, tiers())
     except (ScrapeError, ExpositionError, UnknownEngine, TooManyInstances) as exc:
         _fail(state, str(exc), start, started_at, undiagnosable)
         return
@@ -136,6 +153,21 @@ def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, und
             evaluate(state, inst, opts.config, diagnose, undiagnosable)
     for gone in set(state.instances) - seen:  # e.g. a restart with fewer data-parallel ranks
         del state.instances[gone]
+
+
+def join(samples: list[PoolSample], tiers: list[InstanceState]) -> None:
+    """Fold into each engine sample the newest sample of the KV tier instance that belongs to it
+    (``kvdiag.window.join_tier``: same model, same host, within ``JOIN_SECONDS``) and mark that
+    instance joined to it."""
+    newest = [(inst, inst.latest) for inst in tiers]
+    owners = {id(sample): inst for inst, sample in newest if sample is not None and sample.tier_only}
+    candidates = [sample for inst, sample in newest if sample is not None and id(sample) in owners]
+    for s in samples:
+        if s.tier_only:
+            continue
+        t = join_tier(s, candidates)
+        if t is not None:
+            owners[id(t)].joined_to, owners[id(t)].joined_at = s.instance, s.ts
 
 
 def evaluate(state: TargetState, inst: InstanceState, config: Config, diagnose: Diagnose, undiagnosable: Undiagnosable) -> None:
