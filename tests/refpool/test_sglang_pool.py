@@ -25,6 +25,7 @@ from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
 from kvdiag.refpool.sglang.schedule_batch import Req, alloc_decode, check_decode_mem, get_decode_retraction_order
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler, default_max_running_requests
 from kvdiag.refpool.types import SimRequest, StepPlan, prefix_keys
+from tests.refpool.lockstep import lockstep_step
 
 
 class RecordingStore:
@@ -1024,18 +1025,9 @@ def test_batch_decode_keeps_the_pool_exactly_as_step_by_step(cfg: dict, seed: in
             r = pending.pop(0)[1]
             for s in (fast, slow):
                 s.add_request(replace(r, output=[]))
-        plans = []
-        for name, s in (("fast", fast), ("slow", slow)):
-            plan = s.schedule(float(t))
-            plans.append(plan)
-            done[name] += [(r.rid, r.evictions, r.finished) for r in s.update_from_output(plan, float(t))]
-        pf, ps = plans
+        pf, ps = lockstep_step(fast, slow, t, pool_state, done)
         aggregated += pf.decode_batch
         retracted += len(ps.evicted)
-        assert pf.decode_batch + len(pf.chunks) == len(ps.chunks) and pf.idle == ps.idle
-        assert pf.decode_context + sum(c.num_context_tokens for c in pf.chunks) == sum(c.num_context_tokens for c in ps.chunks)
-        assert [r.rid for r in pf.evicted] == [r.rid for r in ps.evicted]
-        assert pool_state(fast) == pool_state(slow), f"step {t}"
         t += 1
         assert t < 5000
     fast.sync()

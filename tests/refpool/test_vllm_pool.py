@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdiag.refpool.types import SimRequest, StepPlan
+from tests.refpool.lockstep import lockstep_step
 from kvdiag.refpool.vllm.batch_decode import BatchDecode
 from kvdiag.refpool.vllm.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, cdiv
@@ -719,17 +720,7 @@ def assert_batch_decode_exact(cfg: dict, stream: list[tuple[int, str, tuple[int,
             pending.remove((when, rid, prompt, out, max_new))
             for s in (fast, slow):
                 s.add_request(SimRequest(rid, float(t), prompt, max_new, out))
-        plans = []
-        for name, s in (("fast", fast), ("slow", slow)):
-            plan = s.schedule(float(t))
-            plans.append(plan)
-            done[name] += [(r.rid, r.evictions, list(r.output)) for r in s.update_from_output(plan, float(t))]
-        pf, ps = plans
-        aggregated += pf.decode_batch
-        assert pf.decode_batch + len(pf.chunks) == len(ps.chunks) and pf.idle == ps.idle
-        assert pf.decode_context + sum(c.num_context_tokens for c in pf.chunks) == sum(c.num_context_tokens for c in ps.chunks)
-        assert [r.rid for r in pf.evicted] == [r.rid for r in ps.evicted]
-        assert pool_state(fast) == pool_state(slow), f"step {t}"
+        aggregated += lockstep_step(fast, slow, t, pool_state, done)[0].decode_batch
         t += 1
         assert t < 5000
     fast.sync()
