@@ -5,10 +5,10 @@ from every alert's ``dashboard_url``). Panels are data (``Panel``/``Query``) lai
 24-column grid in order; queries read the ``instance:kvdiag_*`` series of ``rules/``, so the
 dashboards work on engine metrics alone, and the verdict/check panels add the exporter's
 ``kvdiag_verdict`` / ``kvdiag_check_status`` series when the exporter is scraped too. The
-queue-by-reason and pools-by-kind panels show what the rules add up (every queue of a PD role,
-each pool of a hybrid model): there they read the adapters' own engine families, one figure per
-instance as the rules take it (``promql.gauge``: both stored spellings, max over TP ranks).
-Thresholds drawn on panels (the saturation line, the TTFT SLO) come from ``Config``. The JSON
+queue-by-reason and pools-by-kind panels show what the checks add up (every queue of a PD role
+by what it waits for, each pool of a hybrid model) from the rules' ``instance:kvdiag_queue:requests``
+and ``instance:kvdiag_kv_pool_usage:ratio``, labelled as the exporter's ``kvdiag_queue_requests``
+and ``kvdiag_kv_pool_usage_ratio``. Thresholds drawn on panels (the saturation line, the TTFT SLO) come from ``Config``. The JSON
 is deterministic: sorted keys, ids and ``refId`` by position.
 """
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiag.config import Config
-from kvdiag.engines import sglang, vllm
 from kvdiag.render.normalize import series_name
-from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels, first, gauge, sel
+from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
 from kvdiag.report.json import dumps
 
 OVERVIEW_UID = "kvdiag-overview"
@@ -76,6 +75,8 @@ def _names(config: Config) -> dict[str, str]:
         "l2_hit": t("instance:kvdiag_l2_hit:share{window}"),
         "capacity": "instance:kvdiag_kv_capacity:tokens",
         "pool": "instance:kvdiag_kv_pool:tokens",
+        "queues": "instance:kvdiag_queue:requests",
+        "pools": "instance:kvdiag_kv_pool_usage:ratio",
         "ceiling": f"instance:kvdiag_concurrency_ceiling:requests{w}",
     }
 
@@ -88,23 +89,6 @@ def _matchers(lbl: Labels) -> str:
 def _sel(lbl: Labels, extra: str = "") -> str:
     """The dashboard variables as matchers on the recorded series."""
     return "{" + _matchers(lbl) + (", " + extra if extra else "") + "}"
-
-
-def _queues(lbl: Labels, leg: str) -> tuple[Query, ...]:
-    """Every queue apart: SGLang's waiting queue and PD queues (each role exports them all, 0
-    outside it), vLLM's waiting by reason (capacity | deferred for a KV transfer, LoRA, blocked)."""
-    m = _matchers(lbl)
-    out = [Query(first(*(gauge(lbl, name, m) for name in names)), f"{leg} {title.split(' (')[0]}") for names, title, _, _ in sglang.QUEUES]
-    out.append(Query(f"max {lbl.by('reason')} ({sel(vllm.P + 'num_requests_waiting_by_reason', '', m)})", leg + " {{reason}}"))
-    return tuple(out)
-
-
-def _pools(lbl: Labels, leg: str, usage: str) -> tuple[Query, ...]:
-    """Each pool of a hybrid model (SGLang: full attention, sliding window, Mamba states; 0 where
-    the model has no such pool) beside the usage the checks read (the larger of them)."""
-    m = _matchers(lbl)
-    kinds = (("full_token_usage", "full"), ("swa_token_usage", "sliding window"), ("mamba_usage", "Mamba"))
-    return (Query(usage, leg + " usage (checked)"),) + tuple(Query(gauge(lbl, sglang.P + f, m), f"{leg} {k}") for f, k in kinds)
 
 
 def _legend(lbl: Labels) -> str:
@@ -183,21 +167,23 @@ def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
                 Query(f"{n['waiting']}{s}", leg + " waiting"),
                 Query(f"{n['running']}{s}", leg + " running"),
             ), "Waiting queue against the running batch.", "short"),
-            Panel("Queue by reason", "timeseries", _queues(lbl, leg),
+            Panel("Queue by reason", "timeseries", (Query(f"{n['queues']}{s}", leg + " {{queue}} ({{kind}})"),),
                   "Each queue apart. A decode instance waits in its prealloc queue for room in its own pool (capacity) and "
                   "in its transfer queue for KV from the prefill instance; a prefill instance's bootstrap queue waits for "
                   "the decode instance; vLLM's deferred requests wait for their KV transfer (or LoRA), its capacity ones "
-                  "for the pool or the scheduler.", "short", stacked=True),
-            Panel("Pools by kind", "timeseries", _pools(lbl, leg, f"{n['usage']}{s}"),
+                  "for the pool or the scheduler; in_flight requests (KV on the wire) are not waiting.", "short", stacked=True),
+            Panel("Pools by kind", "timeseries", (Query(f"{n['usage']}{s}", leg + " usage (checked)"), Query(f"{n['pools']}{s}", leg + " {{pool}}")),
                   "A hybrid model's pools, each with its own usage: the one that binds is the larger (SGLang's "
                   "token_usage). Full attention holds every token, a sliding-window pool at most the window per "
-                  "request, Mamba one state per request.", "percentunit", max=1.0),
+                  "request, Mamba one state per request; 0 where the model has no such pool.", "percentunit", max=1.0),
             Panel("Evictions per second", "timeseries", (Query(f"{n['evictions']}{s}", leg),),
                   "Retract (SGLang) / preempt (vLLM) rate: running requests thrown out of L1 and recomputed.", "reqps"),
             Panel("L2 occupancy and hits", "timeseries", (
                 Query(f"{n['l2_usage']}{s}", leg + " occupancy"),
                 Query(f"{n['l2_hit']}{s}", leg + " hit share"),
-            ), "Host-memory KV tier (L2), where reported: occupancy and the share of queried tokens it served.", "percentunit", max=1.0),
+            ), "The KV tier below L1 (L2: SGLang HiCache host memory, vLLM offloading, LMCache), where reported: occupancy "
+               "where the tier exports it, and the share of lookups it served (the tier's own lookups for LMCache, "
+               "queried tokens otherwise).", "percentunit", max=1.0),
             Panel(f"P{config.ttft_quantile * 100:g} TTFT", "timeseries", (Query(f"{n['ttft']}{s}", leg),),
                   "From the TTFT histogram over the window; the line is the SLO.", "s", thresholds=((config.ttft_slo, "red"),)),
             Panel("Prefix hit ratio", "timeseries", (Query(f"{n['hit']}{s}", leg),),

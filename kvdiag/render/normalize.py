@@ -46,6 +46,13 @@ class Recording:
     labels: tuple[tuple[str, str], ...] = ()
 
 
+def tagged(expr: str, **labels: str) -> str:
+    """``expr`` with constant labels added (``label_replace`` on a label every series has)."""
+    for name, value in labels.items():
+        expr = f'label_replace({expr}, "{name}", "{value}", "__name__", ".*")'
+    return expr
+
+
 def series_name(template: str, config: Config) -> str:
     """A catalog series name with the window filled in (``rate{window}`` -> ``rate5m``)."""
     return template.format(window=config.promql_params()["window"])
@@ -234,6 +241,23 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
         f'label_replace({gauge(lbl, S + "num_used_tokens")}, "state", "used", "__name__", ".*")',
         f'label_replace({usage} * on ({", ".join(lbl.key)}) {capacity}, "state", "used", "__name__", ".*")',
     ), "instance:kvdiag_kv_pool:tokens", "KV pool tokens by state (used | evictable | available), as reported")
+
+    # Every queue apart (the exporter's kvdiag_queue_requests): SGLang's waiting queue and PD
+    # queues (0 outside their role), vLLM's waiting by reason and its KV-fetch stages, each
+    # named as the adapters name it and tagged with what it waits for.
+    queues = [tagged(first(*(gauge(lbl, n) for n in names)), queue=title.split(" (")[0], kind=kind)
+              for names, title, kind, _ in sglang.QUEUES]
+    queues += [tagged(gauge(lbl, V + "num_requests_waiting_by_reason", f'reason="{kind}"'), queue=title, kind=kind)
+               for kind, title in (("capacity", "waiting for scheduling capacity"), ("deferred", "deferred"))]
+    queues += [tagged(gauge(lbl, V + "num_requests_kv_fetch_by_stage", f'stage="{st}"'), queue=f"KV fetch {st.replace('_', ' ')}", kind="in_flight")
+               for st in vllm.FETCH_STAGES]
+    add(None, "\nor ".join(queues), "instance:kvdiag_queue:requests",
+        "requests in each queue (queue: the adapters' name) by what they wait for (kind: capacity | deferred | in_flight)")
+    # Each pool of a hybrid model with its own usage (SGLang: full attention, sliding window,
+    # Mamba states; the engine exports each as 0 where the model has no such pool).
+    add(None, "\nor ".join(tagged(gauge(lbl, S + family), pool=kind) for family, kind in
+                           (("full_token_usage", "full"), ("swa_token_usage", "swa"), ("mamba_usage", "mamba"))),
+        "instance:kvdiag_kv_pool_usage:ratio", "usage of each KV pool (pool: full | swa | mamba), 0 where the model has no such pool")
 
     # Tokens per finished request (input, output, their sum) and the concurrency ceiling of the
     # private footprint (kvdiag/checks/remedies.py): the cached share of the prompt is a shared

@@ -10,8 +10,10 @@ Each story is simulated once, an exposition every ``STEP`` simulated seconds, an
 serves the step after the last one its story's engine instance has taken (a story clock driven
 by the exporter's ingestion, not the wall clock): the exporter reads every step once, in order,
 whatever the machine's speed. The checks' spans are the defaults divided by the speed (as the
-demo's exporter runs them: ``wall_config``). What this adds to CI: the four stories cut to where
-their verdict holds (~5 s of simulation) and ~12 scrape rounds at ``INTERVAL`` (~4 s).
+demo's exporter runs them: ``wall_config``). The same expositions go through the committed
+recording rules (promtool), whose queue and pool series the dashboards' panels read. What this
+adds to CI: the four stories cut to where their verdict holds (~5 s of simulation), ~12 scrape
+rounds at ``INTERVAL`` (~4 s) and one promtool run (~1 s).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import threading
+import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
+import yaml
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,12 +40,15 @@ from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.scenarios import ScenarioRun, get
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.refpool.sim import EPOCH
+from kvdiag.render import RULES_RECORDING
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
 from kvdiag.server.settings import ScrapeSettings, Settings
 from kvdiag.server.state import TargetState
 from kvdiag.server.targets import Target
 from kvdiag.sources.recording import write_recording
+from tests.mixin.conftest import ROOT, need
+from tests.mixin.test_differential import input_series
 from tests.server.conftest import wait_for
 
 STEP = 15.0  # simulated seconds between two expositions (the CLI tests' scrape interval)
@@ -243,3 +250,37 @@ def test_lmcache_on_its_own_target_reaches_the_vllm_instance_verdict(answers: An
     assert (a.rows[tier]["verdict"], a.rows[tier]["joined_to"]) == (None, inst)
     # the other vLLM instances on the host serve another model: nothing joined them
     assert _info(a, _instance(a.stories, "deferred-decode", "prefill"))[1] == ""
+
+
+def test_the_rules_record_the_queues_and_pools_the_exporter_shows(answers: Answers, tmp_path: Path) -> None:
+    """The dashboards' queue-by-reason and pools-by-kind panels read the rules' series; on the
+    same expositions (promtool, at each story's last step) they hold the queues and the hybrid
+    model's pools, named and tagged alike, that the exporter's /metrics gives. (For a one-pool
+    model the rules keep the pool gauges SGLang exports, its full pool and 0 for the others,
+    where the exporter lists no pools: only the hybrid story compares pools.)"""
+    promtool = need("promtool")
+    tests = []
+    for story, role in (("pd-decode", MAIN), ("pd-decode", "prefill"), ("deferred-decode", MAIN), ("hybrid-swa", MAIN)):
+        steps = answers.stories[story].steps
+        inst = _instance(answers.stories, story, role)
+        expected = []
+        compared = [("instance:kvdiag_queue:requests", "kvdiag_queue_requests", ("queue", "kind"))]
+        if story == "hybrid-swa":
+            compared.append(("instance:kvdiag_kv_pool_usage:ratio", "kvdiag_kv_pool_usage_ratio", ("pool",)))
+        for rule, family, labels in compared:
+            shown = {k: v for k, v in answers.series(family, inst, **dict.fromkeys(labels, "")).items() if v != 0}
+            expected.append({
+                "expr": f"sum by ({', '.join(labels)}) ({rule} != 0)",
+                "eval_time": f"{int((len(steps) - 1) * STEP)}s",
+                "exp_samples": [{"labels": "{" + ",".join(f'{k}="{v}"' for k, v in zip(labels, key)) + "}", "value": v} for key, v in shown.items()],
+            })
+        tests.append({"name": f"{story} {role}", "interval": f"{int(STEP)}s", "promql_expr_test": expected,
+                      "input_series": input_series(SimpleNamespace(bodies=tuple(s[role] for s in steps)),  # type: ignore[arg-type]
+                                                   {"job": "kvdiag", "instance": "engine:8000"})})
+    shown = [s for t in tests for e in t["promql_expr_test"] for s in e["exp_samples"]]
+    assert len(shown) >= 7 and any('pool="swa"' in s["labels"] for s in shown)  # not vacuous
+    path = tmp_path / "panels.yaml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(ROOT / RULES_RECORDING)], "evaluation_interval": f"{int(STEP)}s",
+                                    "tests": tests}, sort_keys=False, width=100_000))
+    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
