@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import yaml
@@ -43,13 +43,14 @@ from kvdiag.refpool.sim import EPOCH
 from kvdiag.render import RULES_RECORDING
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
-from kvdiag.server.settings import ScrapeSettings, Settings
+from kvdiag.server.probe import Allowlist
+from kvdiag.server.settings import ProbeSettings, ScrapeSettings, Settings
 from kvdiag.server.state import TargetState
 from kvdiag.server.targets import Target
 from kvdiag.sources.recording import write_recording
 from tests.mixin.conftest import ROOT, need
 from tests.mixin.test_differential import input_series
-from tests.server.conftest import wait_for
+from tests.server.conftest import settings_for, wait_for
 
 STEP = 15.0  # simulated seconds between two expositions (the CLI tests' scrape interval)
 INTERVAL = 0.3  # wall seconds between two scrapes of a target
@@ -284,3 +285,24 @@ def test_the_rules_record_the_queues_and_pools_the_exporter_shows(answers: Answe
                                     "tests": tests}, sort_keys=False, width=100_000))
     out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+
+
+def test_probed_lmcache_joins_the_probed_vllm_instance(answers: Answers, start_loop: Callable[[Settings], ScrapeLoop]) -> None:
+    """The multi-target pattern: Prometheus probes LMCache's exporter and the vLLM server apart.
+    Probed alone, the tier is ``unknown`` (it has no pool); once the vLLM server is probed, its
+    instance carries the tier and the tier's own probe shows only its health."""
+    story = answers.stories["lmcache"]
+    loop = start_loop(replace(settings_for([]), probe=ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]))))
+    client = TestClient(create_app(loop))
+
+    def probe(url: str) -> dict[str, list]:
+        resp = client.get("/probe", params={"target": url})
+        assert resp.status_code == 200, resp.text
+        return {f.name: f.samples for f in text_string_to_metric_families(resp.text)}
+
+    alone = probe(story.url("lmcache"))
+    assert [s.labels["verdict"] for s in alone["kvdiag_verdict"] if s.value == 1] == ["unknown"]
+    engine = probe(story.url())
+    assert [s.labels["l2_tier"] for s in engine["kvdiag_instance_info"]] == ["LMCache"]
+    joined = probe(story.url("lmcache"))
+    assert [s.value for s in joined["kvdiag_up"]] == [1] and not joined.get("kvdiag_verdict")
