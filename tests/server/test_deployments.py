@@ -161,7 +161,7 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
     urls = [s.url(role) for s in stories.values() for role in s.servers]
     settings = Settings(
         targets=tuple(Target(u) for u in urls),
-        scrape=ScrapeSettings(interval=INTERVAL, concurrency=len(urls), evaluate_every=0.0),
+        scrape=ScrapeSettings(interval=INTERVAL, timeout=INTERVAL, concurrency=len(urls), evaluate_every=0.0),
         checks=wall_config(Config(), STEP / INTERVAL),
     )
     loop = ScrapeLoop(settings)
@@ -172,6 +172,8 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
         finished = wait_for(lambda: all(s.done() for s in stories.values()), timeout=120.0)  # a hang guard
         loop.stop()  # the stories are told: nothing after their last step is read
         assert finished, {n: (s.taken(), len(s.steps)) for n, s in stories.items()}
+        assert wait_for(lambda: not any(t.busy for t in loop.snapshot()), timeout=10.0)  # scrapes in flight end
+        assert all(t.up for t in loop.snapshot()), {t.url: t.error for t in loop.snapshot()}
         client = TestClient(create_app(loop))
         metrics = {f.name: f.samples for f in text_string_to_metric_families(client.get("/metrics").text)}
         verdicts = {d["instance"]: d for d in client.get("/api/v1/verdicts").json()["instances"]}
