@@ -5,8 +5,9 @@ serving its own release's exposition) run the ``l1-saturation`` scenario on loop
 shared-prefix load ramps until the KV pool is the limit while L2 stays mostly empty. The real
 exporter (``kvdiag serve``'s scrape loop and HTTP app) scrapes them, keeps a window per instance
 and runs the checklist; the terminal shows the pool and the verdict as they move from healthy
-to L1: vLLM preempts and recomputes (``l1_kv_bottleneck``), SGLang's admission blocks on its
-output reserve without retracting (``l1_kv_pressure``). Then the full diagnosis with remedies.
+to L1: vLLM preempts and recomputes, SGLang's admission blocks on its output reserve and then
+retracts as the long answers outgrow it (both ``l1_kv_bottleneck``). Then the full diagnosis with
+remedies.
 
 The engines run ``--speed`` times faster than the wall clock. Everything the demo shows is in
 the story's own (simulated) time: the demo reads the exporter's window of each instance on the

@@ -262,14 +262,18 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         Scenario(
             "l1-saturation",
-            "The seed's story: shared-prefix load ramps from 1 to 14 req/s (20-60 s) until L1 saturates; admission "
-            "blocks on KV, the queue grows, running requests are evicted and recomputed, P99 TTFT "
-            "collapses, the hit ratio stays high and the L2 tier (on, selective write-through) stays mostly empty. "
-            "SGLang's admission reserve (new_token_ratio) keeps it from retracting all but rarely at this load: "
-            "admission blocks on KV with next to no recompute (whether one retraction falls in the last window "
-            "decides bottleneck or pressure; both name L1).",
+            "The seed's story: chat load (~1k-token prompts, 70 % of each one of 4 system prompts; answers with a "
+            "long tail, median ~250 tokens, a few past 1k, max_new_tokens = the answer) ramps from 1 to 14 req/s "
+            "(20-60 s) until L1 saturates: admission blocks on KV, the queue grows, running requests are evicted and "
+            "recomputed (vLLM preempts; SGLang retracts whenever the long answers' decode growth outruns the output "
+            "reserve its decayed new_token_ratio keeps, then re-estimates the ratio and decays again), P99 TTFT "
+            "collapses, the hit ratio stays high and the big L2 tier stays mostly empty (host memory at 64x L1, "
+            "room for every prompt vLLM's write-through offloading stores over the run; SGLang copies only prefixes "
+            "a second request reuses). Right after a retraction SGLang's raised reserve unpins the pool for a while "
+            "(l1_kv_pressure), and it pins again.",
             ("l1_kv_bottleneck",),
-            (_chat(SATURATION_RAMP),),
+            (Workload(SATURATION_RAMP, LogNormal(1000, 0.4, hi=4000), LogNormal(250, 0.7, hi=2000),
+                      prefix=SharedPrefix(4, 0.7), seed=1),),
             duration=330.0,
             l2_ratio=64.0,
             sglang_write_policy="write_through_selective",

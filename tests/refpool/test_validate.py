@@ -111,12 +111,13 @@ def test_l1_is_named_before_the_slo_breach_in_every_l1_scenario(report: Report) 
 
 
 def test_sglang_saturation_is_named_l1_by_admission_usage(report: Report) -> None:
-    """SGLang's admission reserve keeps token_usage below 1 while admission is blocked on KV and
-    (next to) nothing is retracted: the usage gauge is not pinned, admission usage is, and the
-    short window names L1 within half a minute of the onset."""
+    """SGLang's admission reserve keeps token_usage below 1 while admission is blocked on KV: the
+    usage gauge is not pinned, admission usage is, and the short window names L1 within half a
+    minute of the onset. The long answers' decode growth outruns the reserve again and again, so
+    it retracts more than once (the demo's story)."""
     r = result(report, "l1-saturation", "sglang")
-    assert r.expected == r.verdict and r.verdict in L1_VERDICTS
-    assert r.truth.kv_blocked_share > 0.8 and r.truth.evictions <= 3 and r.truth.onset is not None
+    assert r.expected == r.verdict == "l1_kv_bottleneck"
+    assert r.truth.kv_blocked_share > 0.8 and r.truth.evictions >= 2 and r.truth.onset is not None
     delay = r.since_onset(r.detected)
     assert delay is not None and 0 <= delay <= 30
 
