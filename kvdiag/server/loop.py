@@ -102,6 +102,9 @@ class ScrapeLoop:
         self._probe_slots = threading.BoundedSemaphore(settings.probe.concurrency)
         self._thread = threading.Thread(target=self._run, name="kvdiag-scheduler", daemon=True)
         self._next_sd = 0.0
+        # The targets whose last scrape was a KV tier's own exporter, per table (False: configured,
+        # True: probed), so that an engine scrape's join looks at those alone, not the whole fleet.
+        self._tier_states: dict[bool, dict[str, TargetState]] = {False: {}, True: {}}
         self.refresh_targets()
 
     # --- targets -------------------------------------------------------------------------
@@ -148,7 +151,20 @@ class ScrapeLoop:
     def tiers(self, probes: bool = False) -> list[InstanceState]:
         """The instances of KV tiers' own exporters among the configured targets (or the probed
         ones): what an engine scrape of the same table joins."""
-        return [i for s in self.snapshot(probes) for i in list(s.instances.values()) if i.latest is not None and i.latest.tier_only]
+        with self._lock:
+            table = self.probes if probes else self.targets
+            live = self._tier_states[probes] = {u: s for u, s in self._tier_states[probes].items() if table.get(u) is s}
+            states = list(live.values())
+        return [i for s in states for i in list(s.instances.values()) if i.latest is not None and i.latest.tier_only]
+
+    def _index_tier(self, state: TargetState, probes: bool) -> None:
+        """Keep ``state`` among the tiers' exporters while its scrapes are a tier's, not after."""
+        tier = any(i.latest is not None and i.latest.tier_only for i in list(state.instances.values()))
+        with self._lock:
+            if tier:
+                self._tier_states[probes][state.url] = state
+            else:
+                self._tier_states[probes].pop(state.url, None)
 
     # --- running -------------------------------------------------------------------------
 
@@ -191,6 +207,7 @@ class ScrapeLoop:
         try:
             with state.lock:
                 scrape_into(state, self.opts, self.diagnose, self.undiagnosable, self.tiers)
+                self._index_tier(state, probes=False)
         finally:
             state.busy = False
 
@@ -246,6 +263,7 @@ class ScrapeLoop:
             state.engine = engine
             opts = replace(self.probe_opts, timeout=deadline, auth=self.settings.probe.auth_for(urlsplit(url).hostname or ""))
             scrape_into(state, opts, self.diagnose, self.undiagnosable, lambda: self.tiers(probes=True))
+            self._index_tier(state, probes=True)
         finally:
             state.lock.release()
         return state
