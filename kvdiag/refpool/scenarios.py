@@ -434,14 +434,14 @@ DEPLOYMENTS: dict[str, Scenario] = {
         ),
         Scenario(
             "pd-kv-transfer",
-            "A vLLM decode instance whose KV link has degraded to 0.3 GB/s (a TCP fallback): prompts' KV arrives "
-            "slower than requests do, so they wait in WAITING_FOR_REMOTE_KVS (reason=deferred) holding their "
+            "A vLLM decode instance (TP 2) whose KV links have degraded to 0.15 GB/s per GPU (a TCP fallback): "
+            "prompts' KV arrives slower than requests do, so they wait in WAITING_FOR_REMOTE_KVS (reason=deferred) holding their "
             "blocks, the capacity queue stays empty and the pool keeps room. A queue without KV pressure whose "
             "cause is the transfer, not the admission limit.",
             ("queue_without_kv_pressure",),
             (Workload(Ramp(((0.0, 1.0), (20.0, 1.0), (40.0, 5.5))), LogNormal(200, 0.3, hi=600), LogNormal(100, 0.5, hi=400), seed=42),),
             duration=135.0,
-            topology=PDPair(link_bytes_per_s=0.3e9, engines=("vllm",)),
+            topology=PDPair(link_bytes_per_s=0.15e9, engines=("vllm",)),
         ),
         Scenario(
             "hybrid-swa",

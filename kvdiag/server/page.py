@@ -106,7 +106,7 @@ function spark(series, windowSeconds) {
 }
 function row(r, d, series, windowSeconds) {
   const s = r.latest, sev = r.severity || "none";
-  const verdict = r.verdict ? `<span class="verdict ${esc(sev)}" title="${esc(r.reason)}">${esc(r.verdict)}</span>` : "<small>pending</small>";
+  const verdict = r.verdict ? `<span class="verdict ${esc(sev)}" title="${esc(r.reason)}">${esc(r.verdict)}</span>` : `<small>${r.joined_to ? "joined" : "pending"}</small>`;
   const up = r.up ? "" : ` <small class="down">down: ${esc(r.error)}</small>`;
   const link = `/api/v1/instances/${encodeURIComponent(r.instance)}/series`;
   const ttft = r.ttft_p99_seconds != null ? r.ttft_p99_seconds.toFixed(2) + " s" : "–";
