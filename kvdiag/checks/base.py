@@ -59,7 +59,7 @@ def absent(check: str, window: Window, missing: tuple[str, ...], why: str = "", 
 
 def needs_window(check: str, ts: np.ndarray, config: Config, values: Values | None = None) -> CheckResult:
     """Unknown because growth cannot be seen in fewer than ``min_samples`` samples."""
-    n = len(ts)
+    n = _instants(ts)
     reason = (
         f"needs a window: growth cannot be measured from {n} sample{'s' if n != 1 else ''} "
         f"(at least {int(config.min_samples)} over time; record or sample the engine for a while)"
@@ -68,7 +68,12 @@ def needs_window(check: str, ts: np.ndarray, config: Config, values: Values | No
 
 
 def too_short(ts: np.ndarray, config: Config) -> bool:
-    return len(ts) < max(2, int(config.min_samples))
+    return _instants(ts) < max(2, int(config.min_samples))
+
+
+def _instants(ts: np.ndarray) -> int:
+    """Samples as Prometheus counts them: those sharing a millisecond are one (``stats``)."""
+    return len(np.unique(stats.millis(ts)))
 
 
 def _enable_hint(engine: str) -> str:

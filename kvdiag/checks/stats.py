@@ -13,7 +13,9 @@ statistic PromQL lacks:
   range's edges as ``extrapolatedRate`` does: the start edge first moved no earlier than the
   counter's zero point, then either edge reached when it is closer than 1.1 average sample
   intervals, else half an interval past the first/last sample (Prometheus 3 tests the
-  threshold before the zero point). Fewer than two samples: no value;
+  threshold before the zero point). Fewer than two samples: no value; samples that all share
+  one millisecond count as one (Prometheus refuses a second sample at a timestamp it holds),
+  so they give no value either, never a division by a zero span;
 - ``deriv``: the least-squares slope over the samples' timestamps (seconds relative to the
   first sample, Kahan-compensated sums; a constant series is exactly 0);
 - ``quantile_over_time``: linear interpolation at rank ``q x (n - 1)`` of the sorted values;
@@ -61,6 +63,8 @@ def _extrapolated(ts: np.ndarray, values: np.ndarray, t: float, seconds: float, 
     if len(values) < 2:
         return None
     ms = millis(ts)
+    if ms[-1] == ms[0]:
+        return None  # one sample to Prometheus (module docstring)
     vals = [float(v) for v in values]
     result = vals[-1] - vals[0]
     prev = vals[0]
@@ -98,10 +102,13 @@ def _kahan_inc(inc: float, total: float, c: float) -> tuple[float, float]:
 
 
 def deriv(ts: np.ndarray, values: np.ndarray) -> float | None:
-    """``deriv(x[r])`` over already-selected samples, per second; None with fewer than two."""
+    """``deriv(x[r])`` over already-selected samples, per second; None with fewer than two
+    (samples at one millisecond count as one)."""
     if len(values) < 2:
         return None
     ms = millis(ts)
+    if ms[-1] == ms[0]:
+        return None
     first = int(ms[0])
     vals = [float(v) for v in values]
     if all(v == vals[0] for v in vals):
