@@ -105,8 +105,7 @@ class _Wrapped:
 class PDPair:
     """The decode instance of a PD pair (judged) fed by one prefill instance."""
 
-    link_bytes_per_s: float = 25e9  # KV transfer bandwidth into the decode instance (RDMA NIC)
-    kv_bytes_per_token: int = 327_680  # whole-model KV per token (Llama-3-70B bf16)
+    link_bytes_per_s: float = 25e9  # KV transfer bandwidth per GPU (its RDMA NIC), each rank sending its shard
     engines: tuple[str, ...] = ("sglang", "vllm")
     fast_forward: bool = False  # stage transitions happen between steps: no decode runs at once
 
@@ -117,7 +116,8 @@ class PDPair:
         def prefill_seconds(n: int) -> float:
             return roofline.batch_seconds(n, 0, n * (n + 1) / 2)
 
-        return PDDecode(inner, engine, prefill_seconds, lambda n: n * self.kv_bytes_per_token / self.link_bytes_per_s, pool_tokens)
+        per_token = roofline.kv_bytes_per_token  # one rank's shard: every rank's link carries its own
+        return PDDecode(inner, engine, prefill_seconds, lambda n: n * per_token / self.link_bytes_per_s, pool_tokens)
 
     def metrics(self, engine: str) -> MetricsFactory:
         return lambda sched, created: PDDecodeMetrics(sched, created)  # type: ignore[arg-type]
@@ -354,7 +354,6 @@ class LMCacheTier:
     """vLLM with LMCache's CPU tier (the scenario's ``l2_ratio`` x the GPU pool) behind its
     connector."""
 
-    kv_bytes_per_token: int = 327_680
     engines: tuple[str, ...] = ("vllm",)
     fast_forward: bool = False  # the connector path never takes decode runs at once
 
@@ -362,7 +361,7 @@ class LMCacheTier:
         return deployment.pool_tokens
 
     def wrap(self, inner: EngineScheduler, engine: str, roofline: Roofline, pool_tokens: int) -> EngineScheduler:
-        return LMCacheWorker(inner, self.kv_bytes_per_token)
+        return LMCacheWorker(inner, roofline.kv_bytes_per_token)
 
     def metrics(self, engine: str) -> MetricsFactory:
         return lambda sched, created: LMCacheMetrics(sched, created)  # type: ignore[arg-type]
@@ -381,7 +380,7 @@ class LMCacheWorker(_Wrapped):
 
     def __init__(self, inner: EngineScheduler, kv_bytes_per_token: int) -> None:
         super().__init__(inner)
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_bytes_per_token = kv_bytes_per_token  # one worker's (TP rank's) shard
         self.lmcache = LMCacheState()
         self._last_log = 0.0
         self._at_log = (0, 0, 0, 0)  # lookup tokens, lookup hits, requested, hit at the last log

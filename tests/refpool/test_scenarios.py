@@ -221,7 +221,7 @@ def test_sglang_decode_instance_backlog_is_in_the_prealloc_queue(deployment_runs
     assert _one(pre, "sglang:num_decode_prealloc_queue_reqs") == 0  # a prefill instance's decode gauges stay 0
 
 
-def test_unified_sglang_exports_the_pd_gauges_as_zero(deployment_runs: dict) -> None:
+def test_unified_sglang_exports_the_pd_gauges_as_zero() -> None:
     run = ScenarioRun(replace(get("noisy-healthy"), duration=10.0), "sglang")
     run.advance(10.0)
     out = _families(run.exposition())
@@ -283,7 +283,8 @@ def test_lmcache_exporter_on_its_own_target_and_shared(deployment_runs: dict) ->
     # underused: its lookups find the shared prefixes the GPU pool holds too, but it serves little
     assert _one(lm, "lmcache:num_hit_tokens_total") < 0.05 * _one(lm, "lmcache:num_prompt_tokens_total") < hits
     state = run.sims[0].state()
-    assert 0 < _one(lm, "lmcache:local_cache_usage") < 0.5 * state.l2_capacity_tokens * run.scenario.topology.kv_bytes_per_token
+    per_token = run.scenario.deployment.roofline().kv_bytes_per_token  # worker 0's shard
+    assert 0 < _one(lm, "lmcache:local_cache_usage") < 0.5 * state.l2_capacity_tokens * per_token
     assert 0 <= _one(lm, "lmcache:lookup_hit_rate") <= 1
     from kvdiag.refpool import emit
 
