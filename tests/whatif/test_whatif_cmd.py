@@ -132,30 +132,21 @@ def test_healthy_keeps_its_verdict_on_a_terminal(tmp_path: Path) -> None:
     80-column terminal: the rich progress bar (not the piped lines), every run's name and verdict
     whole (the tables are ``Fitted``); the HTML report gains a what-if section naming every run."""
     import os
-    import pty
     import re
+    import shlex
     import subprocess
     import sys
 
     rec = record("noisy-healthy", "sglang", 60.0, tmp_path / "healthy.jsonl.gz")
     html = tmp_path / "report.html"
-    main_fd, child_fd = pty.openpty()
     cmd = [sys.executable, "-m", "kvdiag", "whatif", "--replay", str(rec), "--remedy", "kv-dtype", "--remedy", "mem-fraction=0.95",
            "--jobs", "2", "--html", str(html)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=child_fd, stdout=child_fd, stderr=child_fd, env={**os.environ, "COLUMNS": "80", "LINES": "40"})
-    os.close(child_fd)
-    chunks = []
-    while True:
-        try:
-            data = os.read(main_fd, 65536)
-        except OSError:  # the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    assert proc.wait(timeout=300) == 0
-    os.close(main_fd)
-    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    # util-linux's script runs the command on a pseudo-terminal and copies what it draws
+    done = subprocess.run(["script", "-qec", shlex.join(cmd), "/dev/null"], capture_output=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "80", "LINES": "40"})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    raw = done.stdout
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode("utf-8", "replace"))
     assert "━" in out and "3/3" in out and "whatif [1/3]" not in out  # the bar, not the piped lines
     tables = out[out.index("fitted knobs"):]  # after the (transient) bar
     for name in ("calibration", "kv-dtype=fp8", "mem-fraction=0.95", "healthy", "fit: "):
