@@ -23,6 +23,18 @@ which can happen well before the usage gauge reads 1:
   the chunks only lowers the estimate (the budget is the smallest default, and decodes share
   it), so long chunked prompts are not read as a step freeing more than it does.
 
+- a decode instance of a prefill/decode pair whose engine preallocates a transferred request's
+  slots before its KV arrives, keeping a reserve per request (its adapter says how many tokens:
+  ``engines.decode_reserved_tokens``), admits from its pre-allocation queue against the whole
+  prompt (the KV comes by transfer: no local prefix hit lowers it) plus that reserve for every
+  running and transferring request and for the one admitted, and charges no output reserve::
+
+      need = prompt + reserved x (running + transferring + 1)
+
+  (``transferring``: the deferred queues, the requests whose KV is on its way; requests the
+  decode scheduler has received but not yet run also hold a reserve and are not counted, so
+  the need is a lower bound).
+
 At the evaluation instant (the newest sample)::
 
     need      = prompt x (1 - hit ratio)  [+ min(output, clip) x (1 + reserve_ratio x running)]
@@ -88,6 +100,13 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     if not capacity:
         missing.insert(0, "pool capacity")
     usage_last = float(usage[-1]) if len(usage) else float("nan")
+    per_request = _decode_reserved(window.engine) if last.role == "decode" else None
+    if per_request is not None and prompt is not None and capacity and running is not None:
+        # a decode instance that preallocates transferred prompts whole, with a reserve per request
+        holders = running + (last.waiting_deferred or 0.0) + 1
+        need = prompt + per_request * holders
+        basis = f"usage, whole transferred prompt and {per_request:g} reserved tokens per running, transferring and next request"
+        return AdmissionUsage(ts, usage, need, need / capacity, 0.0, min(1.0, usage_last + need / capacity), prompt, output, hit, reserve, basis)
     if missing or prompt is None or hit is None or not capacity:  # (the last three only narrow the types)
         basis = "usage only: no " + ", ".join(missing)
         return AdmissionUsage(ts, usage, 0.0, 0.0, 0.0, usage_last, prompt, output, hit, reserve, basis)
@@ -130,6 +149,14 @@ def _usage_after_frees(engine: str) -> bool:
         return engines.usage_after_frees(engine)
     except KeyError:
         return False
+
+
+def _decode_reserved(engine: str) -> int | None:
+    """Tokens a decode instance keeps out per request (its adapter knows it; None: classic)."""
+    try:
+        return engines.decode_reserved_tokens(engine)
+    except KeyError:
+        return None
 
 
 def _prefill_chunk(engine: str) -> int | None:

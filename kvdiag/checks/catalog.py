@@ -114,7 +114,8 @@ SERIES = {
         Series("instance:kvdiag_kv_admission_need:ratio{window}", "usage_ratio",
                "the room the next admission needs beyond the usage gauge (uncached prompt; output and the running "
                "requests' output reserve where the engine reserves it; the room one step frees where the gauge is "
-               "read after the frees) over capacity; 0 where an input is missing"),
+               "read after the frees; a decode instance that preallocates transferred prompts: the whole prompt and "
+               "its reserve per running, transferring and next request) over capacity; 0 where an input is missing"),
         Series("instance:kvdiag_kv_admission_usage:ratio{window}", "usage_ratio",
                "usage + admission need, at most 1 (what admission counts as taken now)"),
         Series("instance:kvdiag_waiting:requests", "waiting",
@@ -143,7 +144,8 @@ CHECKS = (
         "(its 1 - saturated_fraction quantile) and at its end (long window)",
         ("window", "saturated_usage", "saturated_fraction", "saturated_short_window"),
         ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
-         "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total"),
+         "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total",
+         "waiting_deferred"),
         False,
         "min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}])"
         " + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage}"

@@ -2,7 +2,7 @@
 
 This package is the only place that knows engine names. Each adapter module exposes
 ``NAME``, ``WANTED`` (the families it reads), ``SIGNATURE``, ``KNOBS``, ``ENABLE_HINT``,
-``OUTPUT_RESERVE_CLIP``,
+``OUTPUT_RESERVE_CLIP``, ``DECODE_RESERVED_TOKENS``,
 ``detect(expo)`` and ``normalize(expo, target, ts)``.
 """
 
@@ -55,6 +55,12 @@ def usage_after_frees(engine: str) -> bool:
 def prefill_chunk_tokens(engine: str) -> int | None:
     """The most prompt tokens one step prefills by default (None: not needed for this engine)."""
     return ADAPTERS[engine].PREFILL_CHUNK_TOKENS  # type: ignore[no-any-return]
+
+
+def decode_reserved_tokens(engine: str) -> int | None:
+    """Tokens a decode instance's admission keeps out per request beyond the whole prompt (None:
+    its decode admission is the classic one, uncached prompt and output reserve)."""
+    return ADAPTERS[engine].DECODE_RESERVED_TOKENS  # type: ignore[no-any-return]
 
 
 def enable_hint(engine: str) -> str:

@@ -139,6 +139,12 @@ USAGE_AFTER_FREES = False
 #: Only the freed-room estimate of an engine whose gauge is read after the frees reads this.
 PREFILL_CHUNK_TOKENS: int | None = None
 
+#: A decode instance (PD) preallocates a transferred request's whole prompt (no decode radix
+#: cache by default) and keeps --num-reserved-decode-tokens (default 512) per running,
+#: transferring and waiting request out of its free room, plus one for the request admitted
+#: (DecodePreallocQueue._allocatable_tokens, pop_preallocated); it charges no output reserve.
+DECODE_RESERVED_TOKENS: int | None = 512
+
 _STREAM = ("is_streaming",)
 
 

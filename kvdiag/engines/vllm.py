@@ -100,6 +100,10 @@ USAGE_AFTER_FREES = True
 #: and one step frees less of the pool (the admission check's freed room).
 PREFILL_CHUNK_TOKENS: int | None = 2048
 
+#: A decode instance allocates the blocks of a transferred prompt beyond its local prefix hits,
+#: as any admission does: no per-request decode reserve, so its need is the classic one.
+DECODE_RESERVED_TOKENS: int | None = None
+
 
 def detect(expo: Exposition) -> bool:
     return any(expo.get(name) is not None for name in SIGNATURE)

@@ -300,7 +300,27 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
                    f" / ({summed_rate(lbl, V + 'request_success', w, partitions=('finished_reason',))} > 0)")
     chunks = f"clamp_min(ceil({prompt_need} / {vllm.PREFILL_CHUNK_TOKENS}) - 1, 0)"
     freed = f"({usage} / ((({vllm_output}) - 1 > 0) + {chunks}) or 0 * {prompt_need})"
+    # A decode instance (SGLang's engine_type="decode"; where the label is missing, a decode PD
+    # queue holding work and no prefill one) preallocates a transferred prompt whole and keeps
+    # DECODE_RESERVED_TOKENS per running, transferring and next request, no output reserve.
+    def pd_queues_busy(role: str) -> str:
+        return " or ".join(f"{gauge(lbl, n)} > 0" for names, _, _, r in sglang.QUEUES if r == role for n in names)
+
+    def scheduler(matchers: str) -> str:
+        return f"group {lbl.by()} ({sel(S + 'num_running_reqs', '', matchers)} or {sel(S + 'num_queue_reqs', '', matchers)})"
+
+    labelled = scheduler('engine_type!=""')
+    decode = first(
+        scheduler('engine_type="decode"'),
+        f"group {lbl.by()} ({pd_queues_busy('decode')}) unless {labelled}"
+        f" unless group {lbl.by()} ({pd_queues_busy('prefill')})",
+    )
+    transferring = " + ".join(f"({first(*(gauge(lbl, n) for n in names))} or 0 * {running})"
+                              for names, _, kind, r in sglang.QUEUES if r is not None and kind == "deferred")
+    decode_need = (f"({prompt_avg} + {sglang.DECODE_RESERVED_TOKENS} * ({running} + {transferring} + 1)) / {capacity}"
+                   f" and on ({', '.join(lbl.key)}) ({decode})")
     need = add("instance:kvdiag_kv_admission_need:ratio{window}", first(
+        decode_need,
         f"(({prompt_need} + {output_need}) / {capacity} + {freed}) >= 0",  # >= 0 drops NaN (0/0) and -Inf
         f"0 * {usage}",
     ))

@@ -50,9 +50,12 @@ def recording(
     openmetrics: bool = False,
     escape: bool = False,
     tp: int = 1,
+    role: str = "unified",  # a PD instance's role: its queues below are exported as 0 otherwise
+    prealloc: Series = const(0),  # decode: waiting for room in the pool
+    transfer: Series = const(0),  # decode: preallocated, KV on its way
 ) -> list[Scrape]:
     def fresh() -> EngineState:
-        return EngineState(capacity_tokens=capacity, l2_capacity_tokens=l2_capacity)
+        return EngineState(capacity_tokens=capacity, l2_capacity_tokens=l2_capacity, role=role)
 
     state = fresh()
     out = []
@@ -63,6 +66,7 @@ def recording(
         state.used_tokens = used
         state.evictable_tokens = min(capacity - used, capacity // 20)
         state.waiting, state.running = int(waiting(i)), int(running(i))
+        state.prealloc_queue, state.transfer_queue = int(prealloc(i)), int(transfer(i))
         new_evictions = int(evictions(i))
         state.evictions_total += new_evictions
         state.last_eviction_event = new_evictions
