@@ -183,24 +183,18 @@ def deployment_results(deployment_scored: dict) -> dict[tuple[str, str], Result]
 
 
 def test_deployment_stories_are_told_and_scored(deployment_results: dict[tuple[str, str], Result]) -> None:
-    """The simulator's ground truth is the label each deployment was built for, the checklist
-    never raises a false alarm on them, and the final verdict is the truth's, except where the
-    reading side does not yet see the role's own queue (issue 17 item 1): SGLang's decode backlog
-    sits in num_decode_prealloc_queue_reqs, which today reads as no queue, so the L1 verdict is
-    pressure where the truth may say bottleneck (both accepted at an instant)."""
+    """The simulator's ground truth is the label each deployment was built for (so a story cannot
+    silently stop telling itself), and the checklist names it, at the end and at every scored
+    instant: the decode pool behind SGLang's prealloc queue, the deferred KV transfer, the
+    binding SWA pool, L1 under an LMCache tier."""
     assert set(deployment_results) == {("pd-decode-pool", "sglang"), ("pd-decode-pool", "vllm"), ("pd-kv-transfer", "vllm"),
                                        ("hybrid-swa", "sglang"), ("lmcache-underused", "vllm")}  # fmt: skip
     for (name, engine), r in deployment_results.items():
         intent = DEPLOYMENTS[name].intent_for(engine)[0]
         assert (r.expected in L1_VERDICTS) if intent in L1_VERDICTS else r.expected == intent, (name, engine, r.truth)
-        assert r.false_alarms == 0, (name, engine)
-        if intent in L1_VERDICTS:
-            assert r.verdict in L1_VERDICTS, (name, engine, r.verdict)
-            assert r.misleading <= 2, (name, engine, [(i.t, i.verdict) for i in r.instants if i.misleading])
-        else:
-            assert r.verdict == intent and r.right == len(r.scored), (name, engine)
-    assert deployment_results["pd-decode-pool", "vllm"].correct
-    assert deployment_results["hybrid-swa", "sglang"].correct and deployment_results["lmcache-underused", "vllm"].correct
+        wrong = [(i.t, i.truth, i.verdict) for i in r.scored if not i.right]
+        assert r.correct and not wrong, (name, engine, r.expected, r.verdict, wrong)
+        assert len(r.scored) >= 10, (name, engine)
 
 
 def test_sglang_decode_instance_backlog_is_in_the_prealloc_queue(deployment_runs: dict) -> None:
