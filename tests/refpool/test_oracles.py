@@ -6,8 +6,12 @@ virtualenv (``scripts/oracle-env.sh``, which ``make test`` runs) through the dri
 every step both sides' state is compared: running and waiting ids in order, the pool's free /
 available, evictable and protected counts, usage, cumulative preemptions / retractions,
 new_token_ratio, prefix hits and queries, and per scheduled request its tokens and its block
-table (vLLM block ids / SGLang req_to_token slots). A failure prints the first divergent step
-with both sides' fields.
+table (vLLM block ids / SGLang req_to_token slots). With an L2 tier also: vLLM CPU offloading's
+cumulative blocks loaded and stored, its connector's prefix queries and hits and the CPU blocks in
+use; SGLang HiCache's host tokens in use and cumulative backup and load-back tokens (evictable and
+protected already include the nodes locked while their copies await the ack). A failure prints
+the first divergent step with both sides' fields. A known divergence is a strict xfail with its
+reason (``KNOWN_DIVERGENCES``): fixing it fails the mark.
 
 One oracle process per engine runs all of its stories (importing an engine costs ~8 s). Without
 the oracle environment the tests skip with the reason; under ``CI=true`` they fail.
