@@ -68,9 +68,13 @@ class BatchDecode:
         r.seq = next(self._seq)
 
     # ---- schedule: the running phase
-    def schedule_running(self, out: _SchedulerOutput, token_budget: int, threshold: int, now: float) -> int | None:
-        """The running phase of this step, or None (nothing changed) where it could preempt or
-        exhaust the token budget: then every request is brought up to date for the normal path."""
+    def schedule_running(
+        self, out: _SchedulerOutput, token_budget: int, threshold: int, now: float
+    ) -> tuple[int, list[Request]] | None:
+        """The running phase of this step: the token budget left and the requests preempted
+        (from the back of the running list, as ``schedule`` does, where a block is missing), or
+        None (nothing changed) where it could exhaust the token budget: then every request is
+        brought up to date for the normal path."""
         s, j = self.s, self.step
         kv, bs = s.kv_cache_manager, s.block_size
         blocks_of = kv.req_to_blocks
@@ -86,35 +90,68 @@ class BatchDecode:
             need_tokens += n
             end = min(r.num_computed_tokens + n, s.max_model_len)
             need_blocks += max(-(-end // bs) - len(blocks_of.get(r.request_id, ())), 0)
-        if need_tokens > token_budget or need_blocks > s.block_pool.get_num_free_blocks():
+        if need_tokens > token_budget:
             self.sync_all()
             return None
         for r in fills:  # the block hashes this step caches (tokens sampled ahead)
             r.hash_blocks_to(r.num_computed_tokens + j - r.anchor + 1)
         explicit = self.explicit
         last = max(takes[-1].seq if takes else -1, fills[-1].seq if fills else -1)
-        if (not explicit or explicit[0].seq > last) and not self._shares_hash(fills, len(takes)):
+        preempted: list[Request] = []
+        if (
+            need_blocks <= s.block_pool.get_num_free_blocks()
+            and (not explicit or explicit[0].seq > last)
+            and not self._shares_hash(fills, len(takes))
+        ):
             new = s.block_pool.get_new_blocks(len(takes))
             for r, b in zip(takes, new):
                 blocks_of[r.request_id].append(b)
             for r in fills:
                 kv.cache_blocks(r, r.num_computed_tokens + j - r.anchor + 1)
             for r, n in zip(explicit, sizes):
-                self._explicit_step(out, r, n, now)
-        else:  # one request at a time, in running order
-            steady = sorted(takes + fills, key=_seq)
-            i = 0
-            for r in steady:
-                while i < len(explicit) and explicit[i].seq < r.seq:
-                    self._explicit_step(out, explicit[i], sizes[i], now)
-                    i += 1
-                c = r.num_computed_tokens + j - r.anchor
-                kv._allocate_new_blocks(r.request_id, c + 1)  # allocate_slots of a running decode ...
-                kv.cache_blocks(r, c + 1)  # ... and its caching up to num_tokens
-            for k in range(i, len(explicit)):
-                self._explicit_step(out, explicit[k], sizes[k], now)
+                self._explicit_step(out, r, n, now, preempted)  # fits: checked above
+        else:  # one request at a time, in running order, preempting where blocks run out
+            need_tokens = self._one_at_a_time(out, sorted(takes + fills, key=_seq), sizes, now, preempted)
         out.plan.decode_batch, out.plan.decode_context = self.n, self.context
-        return token_budget - need_tokens
+        return token_budget - need_tokens, preempted
+
+    def _one_at_a_time(
+        self, out: _SchedulerOutput, steady: list[Request], sizes: list[int], now: float, preempted: list[Request]
+    ) -> int:
+        """This step's block events and explicit requests merged in running order, each as the
+        normal loop takes it: where a request's blocks do not fit, the last running request is
+        preempted until they do, or until it is the one preempted (then the phase ends: nothing
+        is left behind it). Returns the tokens scheduled."""
+        s, j = self.s, self.step
+        kv, bs = s.kv_cache_manager, s.block_size
+        items = sorted([(r.seq, r, 0) for r in steady] + [(r.seq, r, n) for r, n in zip(self.explicit, sizes)])
+        tokens = 0
+        for _, r, n in items:
+            if r.status is not _RUNNING:
+                continue  # preempted earlier in this step
+            if n:
+                if not self._explicit_step(out, r, n, now, preempted):
+                    return tokens + self.n
+                tokens += n
+                continue
+            c = r.num_computed_tokens + j - r.anchor
+            need = -(-(c + 1) // bs) - len(kv.req_to_blocks[r.request_id])
+            while need > s.block_pool.get_num_free_blocks():  # allocate_slots would return None
+                if self._preempt_last(preempted) is r:
+                    return tokens + self.n
+            kv._allocate_new_blocks(r.request_id, c + 1)  # allocate_slots of a running decode ...
+            kv.cache_blocks(r, c + 1)  # ... and its caching up to num_tokens
+        return tokens + self.n
+
+    def _preempt_last(self, preempted: list[Request]) -> Request:
+        """``schedule``'s preemption: the last running request, brought up to date first."""
+        victim = self.s.running.pop()
+        if victim.steady:
+            self._sync(victim, self.step)
+            self._unsteady(victim)
+        self.s._preempt_request(victim)
+        preempted.append(victim)
+        return victim
 
     def _shares_hash(self, fills: list[Request], n_takes: int) -> bool:
         """Whether a block this step caches has the hash of one of the next ``n_takes`` free
@@ -132,11 +169,15 @@ class BatchDecode:
             b = b.next_free_block
         return False
 
-    def _explicit_step(self, out: _SchedulerOutput, r: Request, n: int, now: float) -> None:
-        new_blocks = self.s.kv_cache_manager.allocate_slots(r, n)
-        assert new_blocks is not None, "checked to fit"
+    def _explicit_step(self, out: _SchedulerOutput, r: Request, n: int, now: float, preempted: list[Request]) -> bool:
+        """``allocate_slots`` as the normal loop calls it, preempting the last running request
+        while it does not fit; False where ``r`` itself was preempted."""
+        while self.s.kv_cache_manager.allocate_slots(r, n) is None:
+            if self._preempt_last(preempted) is r:
+                return False
         is_decode = r.num_computed_tokens == r.num_tokens - 1 and bool(r.sim.output)
         self.s._add_chunk(out, r, n, not is_decode, now)
+        return True
 
     # ---- update
     def with_stops(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

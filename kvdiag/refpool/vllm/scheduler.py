@@ -177,9 +177,10 @@ class VLLMScheduler:
         allocate_slots = kv.allocate_slots
         req_index = 0
         if self.batch is not None:
-            budget_left = self.batch.schedule_running(out, token_budget, threshold, now)
-            if budget_left is not None:  # every running request taken batch-wise
-                token_budget, req_index = budget_left, len(running)
+            taken = self.batch.schedule_running(out, token_budget, threshold, now)
+            if taken is not None:  # every running request taken batch-wise
+                token_budget, req_index = taken[0], len(running)
+                preempted += taken[1]
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_computed_tokens = request.num_computed_tokens
