@@ -24,8 +24,10 @@ in admission order: it only appends at the tail and removes). Where no explicit 
 between them and no block a step caches shares a hash with a block it takes from the free queue,
 its block takes commute with its caching and are one ``get_new_blocks``. The plan lists the
 steady decodes as one aggregate (``StepPlan.decode_batch``, ``decode_context``) instead of a
-chunk each. A step whose running phase could preempt or run out of token budget (checked before
-anything changes) brings every request up to date and takes the normal path.
+chunk each. Where blocks run out, the step preempts from the back of the running list as
+``schedule`` does, each victim brought up to date first; a step whose running phase could run
+out of token budget (checked before anything changes) brings every request up to date and
+takes the normal path.
 """
 
 from __future__ import annotations
