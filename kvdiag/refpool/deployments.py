@@ -388,7 +388,7 @@ class LMCacheWorker(_Wrapped):
         conn = inner.connector  # type: ignore[attr-defined]
         lookup, after_alloc = conn.get_num_new_matched_tokens, conn.update_state_after_alloc
 
-        def counted_lookup(request, num_computed_tokens: int) -> int:  # noqa: ANN001 (the reference's Request)
+        def counted_lookup(request, num_computed_tokens: int) -> tuple[int, bool]:  # noqa: ANN001 (the reference's Request)
             if request.request_id not in self._looked_up:
                 self._looked_up.add(request.request_id)
                 self.lmcache.lookup_tokens_total += request.num_tokens

@@ -79,6 +79,9 @@ def make_prefix_groups(
 
 
 # ------------------------------------------------------------------------------------ vLLM
+DRIVER_KV_BYTES_PER_TOKEN = 8  # the vLLM driver's KV spec: K and V, one head of size 1, float32
+
+
 def vllm_config(**kw: Any) -> dict[str, Any]:
     cfg = {"block_size": 16, "num_gpu_blocks": 64, "max_num_seqs": 64, "max_num_batched_tokens": 256,
            "long_prefill_token_threshold": 0}  # fmt: skip
@@ -101,13 +104,11 @@ VLLM_STORIES = [
     # a CPU hit is copied into its freshly allocated GPU blocks before that step's forward.
     Story("cpu_offloading", vllm_config(cpu_blocks=160, sync_load_budget_bytes=1 << 30),
           make_prefix_groups(8, 36, 3, 6, 160, (10, 60), (10, 40))),
-    # The default (no sync-load budget): every CPU hit loads asynchronously.
+    # The default (no sync-load budget): every CPU hit loads asynchronously, the request parked in
+    # WAITING_FOR_REMOTE_KVS (blocks held, in-flight prefills' blocks kept free) until its load lands.
     Story("cpu_offloading_async", vllm_config(cpu_blocks=160), make_prefix_groups(8, 36, 3, 6, 160, (10, 60), (10, 40))),
 ]  # fmt: skip
-KNOWN_DIVERGENCES = {  # story -> why the reference departs from the engine (strict xfail: fixing it fails the mark)
-    "cpu_offloading_async": "vLLM parks a request with an asynchronous CPU load in WAITING_FOR_REMOTE_KVS (GPU blocks "
-    "held, not scheduled) until the step after the load completes; the reference loads synchronously",
-}
+KNOWN_DIVERGENCES: dict[str, str] = {}  # story -> why the reference departs from the engine (strict xfail)
 
 
 def marked(stories: list[Story]) -> list[Any]:
@@ -125,7 +126,7 @@ def vllm_reference(story: Story) -> Iterator[dict[str, Any]]:
     s = VLLMScheduler(
         c["num_gpu_blocks"], c["block_size"], c["max_num_batched_tokens"], c["max_num_seqs"], c["max_model_len"],
         long_prefill_token_threshold=c["long_prefill_token_threshold"], kv_offloading_blocks=c.get("cpu_blocks", 0),
-        debug=True,
+        kv_offloading_sync_load_tokens=c.get("sync_load_budget_bytes", 0) // DRIVER_KV_BYTES_PER_TOKEN, debug=True,
     )  # fmt: skip
     kv = s.kv_cache_manager
     moved = {"offload_loaded_blocks": 0, "offload_stored_blocks": 0}

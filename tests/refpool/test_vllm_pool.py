@@ -473,18 +473,23 @@ def test_offload_load_allocates_gpu_blocks_before_the_copy() -> None:
     n_copies = len(store.copies)
     plan = s.schedule(2)
     r2 = s.requests["r2"]
-    # local hit 4 (block 1), CPU hit 8, last token recomputed: 3 GPU blocks already held...
-    assert chunks(plan) == [("r2", 1, 11, True)] and plan.loaded_tokens == 8
-    assert ids(s.kv_cache_manager.get_blocks("r2")) == [1, 2, 3]
+    # local hit 4 (block 1), CPU hit 8: the whole prompt, which never loads synchronously (a token
+    # must be left to compute), so r2 waits for the load with 3 GPU blocks held, scheduled nothing...
+    assert chunks(plan) == [] and plan.loaded_tokens == 8 and r2.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert ids(s.kv_cache_manager.get_blocks("r2")) == [1, 2, 3] and s.kv_cache_manager.num_cached_block["r2"] == 1
     assert s.block_pool.get_num_free_blocks() == 2 and s.block_pool.num_evicted_blocks == 4
     assert len(store.copies) == n_copies  # ...and nothing copied yet
     s.update_from_output(plan, 2)
     assert store.copies[n_copies] == ("host", "device", 8)
-    assert (r2.sim.device_hit_tokens, r2.sim.host_hit_tokens) == (4, 7)
+    assert (r2.sim.device_hit_tokens, r2.sim.host_hit_tokens) == (4, 8)
     st_ = s.stats()
     # Queries are the tokens past the local hit: r0 12 + r1 16 + r2 (12 - 4); only r2 hits.
     assert (st_.external_prefix_cache_queries_total, st_.external_prefix_cache_hits_total) == (36, 8)
     assert plan.stored_tokens == 0  # already on CPU
+    assert s.stats().num_requests_waiting == 1 and not s.waiting
+    # Landed: its blocks are cached and the last token is recomputed to sample the next one.
+    plan, _ = step(s, 3)
+    assert chunks(plan) == [("r2", 1, 11, True)] and plan.loaded_tokens == 0
     assert store.verified_slots >= 12
 
 
@@ -532,10 +537,11 @@ def test_corrupted_host_copy_is_detected_on_load() -> None:
     host_slot = next(slot for slot, key in store.tiers["host"].items() if key == last_of_block_1)
     store.tiers["host"][host_slot] = 999
     s.add_request(sim("r2", toks(0, 12)))
-    plan = s.schedule(2)
+    plan, _ = step(s, 2)  # a full hit: loaded asynchronously, read by the next step's forward
     assert plan.loaded_tokens == 8
+    plan = s.schedule(3)
     with pytest.raises(AssertionError, match="does not match"):
-        s.update_from_output(plan, 2)
+        s.update_from_output(plan, 3)
 
 
 # ---------------------------------------------------------------- properties
@@ -627,6 +633,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[tuple[int, SimRequest]]]:
         scheduler_reserve_full_isl=draw(st.booleans()),
         long_prefill_token_threshold=draw(st.sampled_from([0, 3, 8])),
         kv_offloading_blocks=draw(st.sampled_from([0, 0, 2, 8, 40])),
+        kv_offloading_sync_load_tokens=draw(st.sampled_from([None, 0, 16])),  # 0: every load asynchronous
     )
     prefixes = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=24), min_size=1, max_size=3))
     reqs = []

@@ -158,8 +158,11 @@ class KVCacheManager:
         hits: list[KVCacheBlock],
         full_sequence_must_fit: bool,
         has_scheduled_reqs: bool,
+        reserved_blocks: int = 0,
     ) -> bool:
-        """``fits`` once the slots needed are known (``allocate_slots`` derives them only once)."""
+        """``fits`` once the slots needed are known (``allocate_slots`` derives them only once).
+        ``reserved_blocks`` stay free for in-flight prefills (the slots themselves, not the full
+        sequence gate)."""
         # The watermark applies to waiting/preempted requests only, and only when something is
         # already scheduled (so an empty engine can always admit its first request).
         watermark_blocks = 0
@@ -172,7 +175,8 @@ class KVCacheManager:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             if self.get_num_blocks_to_allocate(request.request_id, full_num_tokens, hits) + watermark_blocks > free:
                 return False
-        return self.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits) + watermark_blocks <= free
+        need = self.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits)
+        return need + watermark_blocks <= free - reserved_blocks
 
     def allocate_slots(
         self,
@@ -185,12 +189,15 @@ class KVCacheManager:
         full_sequence_must_fit: bool = False,
         delay_cache_blocks: bool = False,
         has_scheduled_reqs: bool = True,
+        reserved_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Reserve slots for ``num_new_tokens`` (plus prefix hits and external tokens); None if
         the pool cannot supply them (``fits``). Returns the newly allocated blocks.
 
         Layout: | comp | new_comp (local hits) | ext_comp (connector) | new | lookahead |.
         Blocks for ext_comp are allocated here, *before* the connector copies into them.
+        ``reserved_blocks`` must stay free beside the new slots: an asynchronous load holds its
+        blocks with no progress, so it may not take what in-flight prefills still need.
         """
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no external computed tokens")
@@ -217,7 +224,9 @@ class KVCacheManager:
         num_local_computed_tokens, total_computed_tokens, num_tokens_need_slot = self._layout(
             request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens
         )
-        if not self._fits(request, num_tokens_need_slot, hits, full_sequence_must_fit, has_scheduled_reqs):
+        if not self._fits(
+            request, num_tokens_need_slot, hits, full_sequence_must_fit, has_scheduled_reqs, reserved_blocks
+        ):
             return None
         if hits or num_external_computed_tokens > 0:
             self._allocate_new_computed_blocks(
@@ -295,7 +304,9 @@ class KVCacheManager:
             for i in block_ids:
                 holders[i] = holders.get(i, 0) + 1
             request = requests.get(rid)
-            assert request is not None and request.status == RequestStatus.RUNNING, f"{rid} holds blocks"
+            # Running, or waiting with its blocks held for an asynchronous load (the scheduler
+            # checks which queue may hold blocks).
+            assert request is not None, f"{rid} holds blocks and is not live"
             assert cdiv(request.num_computed_tokens, bs) <= len(blocks) <= cdiv(request.num_tokens, bs), (
                 f"{request}: {len(blocks)} blocks"
             )

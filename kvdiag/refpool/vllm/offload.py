@@ -13,13 +13,13 @@ What matters for the diagnosis, and is modelled exactly:
   0.33.0: blocks of decoded tokens are never offloaded); GPU eviction never triggers a copy;
 * the CPU pool evicts LRU ready blocks only when a store needs room; blocks being loaded are pinned;
 * a CPU hit never helps admission: ``allocate_slots`` must first allocate GPU blocks for the hit
-  tokens, and only then are they copied H->D into those blocks.
-
-Simplification (stated, not hidden): vLLM loads asynchronously (the request waits in
-``WAITING_FOR_REMOTE_KVS`` for a step or more with its GPU blocks held). Here a load is
-synchronous within the step: blocks are allocated in ``schedule`` and the copy runs at the start
-of that step's forward (``start_load_kv``), so the request computes its first chunk in the same
-step. A full hit recomputes the last token, as ``Scheduler._update_waiting_for_remote_kv`` does.
+  tokens, and only then are they copied H->D into those blocks;
+* loads are asynchronous unless they fit the step's sync-load budget (``sync_load_budget_bytes``,
+  0 by default: every load asynchronous), as ``_reserve_sync_load`` decides. A synchronous load is
+  copied before the forward of the step that admitted the request, which computes its first chunk
+  in that step. An asynchronous one parks the request in ``WAITING_FOR_REMOTE_KVS`` with its GPU
+  blocks held and not cached; the worker completes it within the step (``start_load_kv`` reports
+  it, ``finished_recving``) and the scheduler schedules the request from the next step on.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class TransferJob:
     block_hashes: list[int]
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
+    is_async: bool = False  # a load the request waits for in WAITING_FOR_REMOTE_KVS
 
 
 @dataclass
@@ -178,10 +179,21 @@ class OffloadingConnectorMetadata:
 class OffloadingConnector:
     """Scheduler- and worker-side halves of the native CPU offloading connector."""
 
-    def __init__(self, num_cpu_blocks: int, block_size: int, store: KVStore) -> None:
+    def __init__(
+        self, num_cpu_blocks: int, block_size: int, store: KVStore, sync_load_tokens: int | None = None
+    ) -> None:
+        """``sync_load_tokens``: the step's sync-load budget in tokens (vLLM's
+        ``sync_load_budget_bytes`` over the KV bytes per token); 0, vLLM's default: every load
+        asynchronous; None: no limit (every load that leaves a token to compute is synchronous)."""
+        if sync_load_tokens is not None and sync_load_tokens < 0:
+            raise ValueError("sync_load_tokens must be non-negative")
         self.manager = CPUOffloadingManager(num_cpu_blocks)
         self.block_size = block_size
         self.store = store
+        self.sync_load_tokens = sync_load_tokens
+        # This step's synchronous loads and the tokens they reserved (reset by build_connector_meta).
+        self._sync_loads: set[str] = set()
+        self._sync_load_tokens_used = 0
         self._reqs_to_load: list[TransferJob] = []
         # Index of the next block of each request to offload; survives preemption (already
         # stored blocks are not stored again), dropped when the request finishes.
@@ -189,18 +201,33 @@ class OffloadingConnector:
 
     # ---- scheduler side ----
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens beyond the (block-aligned) local GPU hit that are ready on CPU."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond the (block-aligned) local GPU hit that are ready on CPU, and whether
+        they load asynchronously."""
         block_hashes = request.block_hashes
         self.manager.touch(block_hashes)
         full_block_tokens = len(block_hashes) * self.block_size
         if full_block_tokens - num_computed_tokens < self.block_size:
-            return 0
+            return 0, False
         start_block_idx = num_computed_tokens // self.block_size
         hits = self.manager.lookup(block_hashes[start_block_idx:])
         if hits == 0:
-            return 0
-        return (start_block_idx + hits) * self.block_size - num_computed_tokens
+            return 0, False
+        num_hit_tokens = (start_block_idx + hits) * self.block_size - num_computed_tokens
+        return num_hit_tokens, not self._reserve_sync_load(request, num_computed_tokens, num_hit_tokens)
+
+    def _reserve_sync_load(self, request: Request, num_computed_tokens: int, num_hit_tokens: int) -> bool:
+        """Take the hit out of the step's sync-load budget if it fits. A full hit never loads
+        synchronously (one token must be left to compute), and a reservation stays taken for the
+        step even if the allocation then fails, as in vLLM."""
+        self._sync_loads.discard(request.request_id)
+        if self.sync_load_tokens == 0 or num_computed_tokens + num_hit_tokens >= request.num_tokens:
+            return False
+        if self.sync_load_tokens is not None and self._sync_load_tokens_used + num_hit_tokens > self.sync_load_tokens:
+            return False
+        self._sync_load_tokens_used += num_hit_tokens
+        self._sync_loads.add(request.request_id)
+        return True
 
     def update_state_after_alloc(
         self,
@@ -210,8 +237,8 @@ class OffloadingConnector:
         num_external_tokens: int,
     ) -> None:
         """Queue the H->D copy into the GPU blocks ``allocate_slots`` just allocated and pin the
-        CPU source blocks. (vLLM derives the local hit from the blocks' hashes, which works because
-        its async path delays caching; with a synchronous load the hit is passed in.)"""
+        CPU source blocks: those past the local hit (vLLM finds them by position, or as the blocks
+        not hashed yet for an asynchronous load, whose caching is delayed: the same blocks)."""
         if num_external_tokens == 0:
             return
         start = num_local_computed_tokens // self.block_size
@@ -223,6 +250,7 @@ class OffloadingConnector:
                 hashes,
                 [b.block_id for b in blocks[start:end]],
                 self.manager.prepare_load(hashes),
+                is_async=request.request_id not in self._sync_loads,
             )
         )
         self._next_stored_block_idx[request.request_id] = end
@@ -235,6 +263,8 @@ class OffloadingConnector:
         of this step and not stored yet."""
         meta = OffloadingConnectorMetadata(reqs_to_load=self._reqs_to_load)
         self._reqs_to_load = []
+        self._sync_loads = set()
+        self._sync_load_tokens_used = 0
         for request, num_new_tokens, blocks in scheduled:
             rid = request.request_id
             # offload_prompt_only (default True in 0.33.0): decoded tokens' blocks are never stored
@@ -270,11 +300,14 @@ class OffloadingConnector:
         bs = self.block_size
         return [b * bs + off for b in block_ids for off in range(bs)]
 
-    def start_load_kv(self, meta: OffloadingConnectorMetadata) -> None:
-        """Copy CPU blocks into the GPU blocks allocated for them, then unpin (before the forward)."""
+    def start_load_kv(self, meta: OffloadingConnectorMetadata) -> list[str]:
+        """Copy CPU blocks into the GPU blocks allocated for them, then unpin (before the forward).
+        Every load completes within its step; returns the requests whose asynchronous load did
+        (the step's ``finished_recving``)."""
         for job in meta.reqs_to_load:
             self.store.copy("host", self._slots(job.cpu_block_ids), "device", self._slots(job.gpu_block_ids))
             self.manager.complete_load(job.block_hashes)
+        return [job.request_id for job in meta.reqs_to_load if job.is_async]
 
     def wait_for_save(self, meta: OffloadingConnectorMetadata) -> None:
         """Copy this step's completed GPU blocks to CPU (after the forward) and mark them ready."""

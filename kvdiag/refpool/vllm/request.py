@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks held while an asynchronous CPU load runs
     FINISHED_STOPPED = enum.auto()  # finished_reason "stop" (EOS)
     FINISHED_LENGTH_CAPPED = enum.auto()  # finished_reason "length" (max_tokens or max_model_len)
 

@@ -69,13 +69,16 @@ class VLLMStats:
 
 @dataclass
 class _Admission:
-    """The head request's prefix hits and tokens to compute, as ``allocate_slots`` takes them."""
+    """The head request's prefix hits and tokens to compute, as ``allocate_slots`` takes them.
+    ``looked_up``: a fresh admission (prefix lookup, hit counters); not for a request whose
+    asynchronous load has landed (it holds its blocks and computed tokens already)."""
 
     num_local: int
     num_external: int
-    num_load: int
+    load_async: bool
     num_new_tokens: int
     slot_args: dict[str, Any]
+    looked_up: bool = True
 
 
 @dataclass
@@ -103,6 +106,7 @@ class VLLMScheduler:
         scheduler_reserve_full_isl: bool = True,
         long_prefill_token_threshold: int = 0,
         kv_offloading_blocks: int = 0,
+        kv_offloading_sync_load_tokens: int | None = None,
         store: KVStore | None = None,
         debug: bool = False,
     ) -> None:
@@ -130,13 +134,20 @@ class VLLMScheduler:
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, block_size, watermark, max_model_len)
         self.connector = (
-            OffloadingConnector(kv_offloading_blocks, block_size, self.store)
+            OffloadingConnector(kv_offloading_blocks, block_size, self.store, kv_offloading_sync_load_tokens)
             if kv_offloading_blocks > 0
             else None
         )
         self.connector_prefix_cache_stats = PrefixCacheStats()
         self.requests: dict[str, Request] = {}
         self.waiting = FCFSRequestQueue()
+        # Waiting requests that hold blocks (an asynchronous load in flight or landed): vLLM's
+        # kv_holding_waiting, drained before ``waiting``; the loads reported done, not yet seen.
+        self.kv_holding_waiting = FCFSRequestQueue()
+        self.finished_recving: set[str] = set()
+        # Prefills whose remaining blocks an asynchronous load may not take (``_inflight_prefills``;
+        # kept only with a connector, the only source of asynchronous loads).
+        self._inflight_prefills: set[Request] = set()
         self.running: list[Request] = []
         self._pending: _SchedulerOutput | None = None
         self.batch: BatchDecode | None = None  # batch-level decode accounting (enable_batch_decode)
@@ -159,7 +170,7 @@ class VLLMScheduler:
         self.waiting.add_request(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.kv_holding_waiting)
 
     def schedule(self, now: float) -> StepPlan:
         """One scheduling pass: running requests first (preempting from the back of the running
@@ -208,44 +219,65 @@ class VLLMScheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
-        # Phase B: WAITING requests, only if nothing was preempted this step.
+        # Phase B: WAITING requests, only if nothing was preempted this step; those holding
+        # blocks first (kv_holding_waiting). A request whose asynchronous load is in flight is
+        # passed over; one just admitted with an asynchronous load joins them, scheduled nothing.
         if preempted:
             plan.blocked_on_kv = bool(self.waiting)
         else:
-            while self.waiting and token_budget > 0:
-                if len(self.running) == self.max_num_seqs:
+            passed_over: deque[Request] = deque()
+            while token_budget > 0:
+                queue = self.kv_holding_waiting or self.waiting
+                if not queue or len(self.running) == self.max_num_seqs:
                     break
-                request = self.waiting.peek_request()
-                adm = self._admission(request, token_budget, threshold)
-                num_local, num_external, num_load, num_new_tokens = (
-                    adm.num_local, adm.num_external, adm.num_load, adm.num_new_tokens
-                )
+                request = queue.peek_request()
+                if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if request.request_id not in self.finished_recving:
+                        passed_over.appendleft(queue.pop_request())
+                        continue
+                    self._finish_remote_load(request)
+                # Landed (vLLM tests num_computed_tokens > 0, the same but for a one-token prompt
+                # loaded whole at block_size 1, which would rewind to 0 and be looked up again).
+                if request.request_id in kv.req_to_blocks:
+                    adm = self._landed(request, token_budget, threshold)
+                else:
+                    adm = self._admission(request, token_budget, threshold)
+                num_local, num_external, num_new_tokens = adm.num_local, adm.num_external, adm.num_new_tokens
                 new_blocks = kv.allocate_slots(request, num_new_tokens, **adm.slot_args)
                 if new_blocks is None:
                     plan.blocked_on_kv = True  # head-of-line: nothing behind it is tried
                     break
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(
-                        request, kv.get_blocks(request.request_id), num_local, num_load
-                    )
-                    self.connector_prefix_cache_stats.record(
-                        num_tokens=request.num_tokens - num_local,
-                        num_hits=num_load,
-                        preempted=request.num_preemptions > 0,
-                    )
-                kv.record_prefix_cache_stats(request, num_local)
-                self.waiting.pop_request()
+                if adm.looked_up:
+                    if self.connector is not None:
+                        self.connector.update_state_after_alloc(
+                            request, kv.get_blocks(request.request_id), num_local, num_external
+                        )
+                        self.connector_prefix_cache_stats.record(
+                            num_tokens=request.num_tokens - num_local,
+                            num_hits=num_external,
+                            preempted=request.num_preemptions > 0,
+                        )
+                    kv.record_prefix_cache_stats(request, num_local)
+                    if request.num_preemptions == 0:
+                        request.sim.device_hit_tokens = num_local
+                        request.sim.host_hit_tokens = num_external
+                    request.num_computed_tokens = num_local + num_external
+                    if adm.load_async:
+                        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                        self._inflight_prefills.add(request)
+                        passed_over.appendleft(queue.pop_request())
+                        continue
+                queue.pop_request()
                 self.running.append(request)
                 if self.batch is not None:
                     self.batch.admitted(request)
-                if request.num_preemptions == 0:
-                    request.sim.device_hit_tokens = num_local
-                    request.sim.host_hit_tokens = num_external
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_local + num_external
+                if self.connector is not None and request.num_computed_tokens + num_new_tokens < request.num_tokens:
+                    self._inflight_prefills.add(request)
                 out.new_reqs.append(request)
                 self._add_chunk(out, request, num_new_tokens, is_prefill=True, now=now)
                 token_budget -= num_new_tokens
+            self.kv_holding_waiting.extendleft(passed_over)  # ahead of the rest, in their order
             if self.waiting and (token_budget == 0 or len(self.running) == self.max_num_seqs):
                 plan.blocked_other = True
 
@@ -254,6 +286,9 @@ class VLLMScheduler:
             out.connector_meta = self.connector.build_connector_meta(
                 [(r, n, kv.get_blocks(r.request_id)) for r, n in out.scheduled]
             )
+            for r, n in out.scheduled:  # its last prefill chunk is scheduled: no longer in flight
+                if r.num_computed_tokens + n >= r.num_tokens:
+                    self._inflight_prefills.discard(r)
             plan.loaded_tokens = out.connector_meta.num_load_blocks * self.block_size
             plan.stored_tokens = out.connector_meta.num_store_blocks * self.block_size
         self._pending = out
@@ -269,7 +304,7 @@ class VLLMScheduler:
         self._pending = None
         meta = out.connector_meta
         if self.connector is not None and meta is not None:
-            self.connector.start_load_kv(meta)
+            self.finished_recving.update(self.connector.start_load_kv(meta))
         if self.moves_bytes:
             for request, n in out.scheduled:
                 self._write_kv(request, request.num_computed_tokens, n)
@@ -319,16 +354,9 @@ class VLLMScheduler:
         """What admitting the head of the queue would ask of the pool (no change to the pool;
         the connector's lookup is its only side effect)."""
         new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-        num_external, num_load = 0, 0
+        num_external, load_async = 0, False
         if self.connector is not None:
-            num_load = self.connector.get_num_new_matched_tokens(request, num_local)
-            # A full hit still recomputes the last token (_update_waiting_for_remote_kv).
-            num_external = min(num_load, request.num_tokens - 1 - num_local)
-            if num_external == 0:
-                num_load = 0
-        num_new_tokens = request.num_tokens - num_local - num_external
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
         slot_args = {
             "num_new_computed_tokens": num_local,
             "new_computed_blocks": new_computed_blocks,
@@ -336,7 +364,41 @@ class VLLMScheduler:
             "full_sequence_must_fit": self.scheduler_reserve_full_isl,
             "has_scheduled_reqs": bool(self.running),
         }
-        return _Admission(num_local, num_external, num_load, min(num_new_tokens, token_budget), slot_args)
+        if load_async:  # blocks for the hit only, delayed caching, in-flight prefills' blocks kept free
+            slot_args["delay_cache_blocks"] = True
+            slot_args["reserved_blocks"] = self._inflight_reserved_blocks()
+            return _Admission(num_local, num_external, True, 0, slot_args)
+        num_new_tokens = request.num_tokens - num_local - num_external
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return _Admission(num_local, num_external, False, min(num_new_tokens, token_budget), slot_args)
+
+    def _landed(self, request: Request, token_budget: int, threshold: int) -> _Admission:
+        """A request whose asynchronous load has landed: it holds its blocks and computed tokens,
+        nothing is looked up; it asks for the rest of its sequence like a running one."""
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        slot_args = {"full_sequence_must_fit": self.scheduler_reserve_full_isl, "has_scheduled_reqs": bool(self.running)}
+        return _Admission(0, 0, False, min(num_new_tokens, token_budget), slot_args, looked_up=False)
+
+    def _finish_remote_load(self, request: Request) -> None:
+        """``_update_waiting_for_remote_kv`` and the promotion back to WAITING / PREEMPTED: the
+        loaded blocks are cached now that their KV is there, and a full hit recomputes its last
+        token so that the next one can be sampled."""
+        self.finished_recving.remove(request.request_id)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+
+    def _inflight_reserved_blocks(self) -> int:
+        """Blocks the in-flight prefills still need to hold their whole sequence."""
+        kv = self.kv_cache_manager
+        return sum(
+            max(kv.get_num_blocks_to_allocate(r.request_id, min(r.num_tokens, self.max_model_len), []), 0)
+            for r in self._inflight_prefills
+        )
 
     def _add_chunk(
         self, out: _SchedulerOutput, request: Request, n: int, is_prefill: bool, now: float
@@ -351,6 +413,7 @@ class VLLMScheduler:
         recomputes from scratch (minus whatever prefix is still cached) when re-admitted."""
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
+        self._inflight_prefills.discard(request)
         request.status = RequestStatus.PREEMPTED
         request.sim.evictions += 1
         request.sim.recomputed_tokens += request.num_computed_tokens
@@ -415,7 +478,7 @@ class VLLMScheduler:
             num_free_blocks=self.block_pool.get_num_free_blocks(),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_requests_running=len(self.running),
-            num_requests_waiting=len(self.waiting),
+            num_requests_waiting=len(self.waiting) + len(self.kv_holding_waiting),
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries_total=local.queries,
             prefix_cache_hits_total=local.hits,
@@ -436,7 +499,7 @@ class VLLMScheduler:
         self.kv_cache_manager.check_invariants(self.requests)
         assert len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs"
         run_ids = [r.request_id for r in self.running]
-        wait_ids = [r.request_id for r in self.waiting]
+        wait_ids = [r.request_id for r in self.waiting] + [r.request_id for r in self.kv_holding_waiting]
         assert len(set(run_ids + wait_ids)) == len(run_ids) + len(wait_ids) == len(self.requests), (
             "running/waiting are not a partition of the live requests"
         )
@@ -445,5 +508,9 @@ class VLLMScheduler:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} in waiting"
             assert r.num_computed_tokens == 0, f"waiting {r} has computed tokens"
             assert r.request_id not in self.kv_cache_manager.req_to_blocks, f"waiting {r} holds blocks"
+        for r in self.kv_holding_waiting:
+            assert r.status is not RequestStatus.RUNNING, f"{r} in kv_holding_waiting"
+            assert r.request_id in self.kv_cache_manager.req_to_blocks, f"{r} in kv_holding_waiting without blocks"
+        assert self.finished_recving <= {r.request_id for r in self.kv_holding_waiting}, "a landed load for no request"
         if self.connector is not None:
             self.connector.manager.check_invariants(idle=self._pending is None)
