@@ -8,8 +8,8 @@ through the same exposition, adapters and checklist (``replay.measure``), and co
 ``compare.errors``: a pair holds when the verdicts agree and the P99 TTFT is within
 ``compare.TOLERANCE``. Both sides are simulations, so the P99 compared is each side's exact
 one over its simulated requests (a histogram's P99 moves by half a 10-20 s bucket when a
-percent of the requests cross its edge). The pairs are few and short (a saturated and a healthy story, two
-remedies each), so validate's CI test stays in seconds.
+percent of the requests cross its edge). The pairs are few and short (two saturated stories and a healthy one, SGLang and vLLM
+each, 120-180 simulated seconds), so validate's CI test stays in seconds.
 """
 
 from __future__ import annotations
