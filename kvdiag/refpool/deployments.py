@@ -447,17 +447,22 @@ def _external(state: EngineState, st: object) -> None:
 
 class ConnectorMetrics:
     """vLLM's own hook plus the connector's external prefix-cache counters (0 without one),
-    for every unified vLLM instance."""
+    for every unified vLLM instance, and the CPU offloading traffic (its load / store bytes,
+    where ``kv_bytes_per_token_per_rank`` turns tokens into bytes)."""
 
     engine = "vllm"
 
-    def __init__(self, sched: VLLMScheduler, created: float) -> None:
+    def __init__(self, sched: VLLMScheduler, created: float, kv_bytes_per_token_per_rank: int | None = None) -> None:
         self.base = VLLMMetrics(sched, created)
         self.state = self.base.state
+        self.state.kv_bytes_per_token_per_rank = kv_bytes_per_token_per_rank
 
     def on_step(self) -> PoolTruth:
         truth = self.base.on_step()
-        _external(self.state, self.base.scheduler.stats())
+        st = self.base.scheduler.stats()
+        _external(self.state, st)
+        self.state.load_back_tokens_total = st.cpu_offload_loaded_tokens_total
+        self.state.backup_tokens_total = st.cpu_offload_stored_tokens_total
         return truth
 
 
@@ -490,11 +495,11 @@ def _sglang_counters(state: EngineState, st: object) -> None:
 
 def unified_metrics(kv_bytes_per_token_per_rank: int | None = None) -> MetricsFactory:
     """The metrics hook of a unified instance of either engine (``kv_bytes_per_token_per_rank``
-    turns SGLang's L2 token counts into its byte counters)."""
+    turns either engine's L2 token counts into its byte counters)."""
 
     def make(sched: EngineScheduler, created: float) -> EngineMetrics:
         if isinstance(sched, VLLMScheduler):
-            return ConnectorMetrics(sched, created)
+            return ConnectorMetrics(sched, created, kv_bytes_per_token_per_rank)
         if isinstance(sched, SGLangScheduler):
             return SGLangCounterMetrics(sched, created, kv_bytes_per_token_per_rank)
         return default_metrics(sched, created)

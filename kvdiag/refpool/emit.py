@@ -116,6 +116,7 @@ class EngineState:
     # SGLang's radix-cache collector (facts §2.5): device slots freed by eviction, HiCache
     # load-back (L2 -> L1) and backup (L1 -> L2) tokens, tokens dropped without a backup; bytes
     # are these tokens' KV on one rank (None: unknown, the byte counters are not written).
+    # vLLM's CPU offloading loads / stores fill the same two token counts.
     evicted_tokens_total: int = 0
     load_back_tokens_total: int = 0
     backup_tokens_total: int = 0
@@ -552,6 +553,12 @@ def _vllm(
     if v >= (0, 11, 1):
         w.counter(P + "external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", counter(lambda s: s.external_query_tokens_total))
         w.counter(P + "external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", counter(lambda s: s.external_hit_tokens_total))
+    if v >= (0, 33) and any(s.l2_capacity_tokens is not None and s.kv_bytes_per_token_per_rank for s in states):
+        # the OffloadingConnector's own counters (offloading/metrics.py): bytes = tokens x KV per rank
+        w.counter(P + "kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.",
+                  counter(lambda s: s.load_back_tokens_total * (s.kv_bytes_per_token_per_rank or 0)))
+        w.counter(P + "kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.",
+                  counter(lambda s: s.backup_tokens_total * (s.kv_bytes_per_token_per_rank or 0)))
     w.counter(P + "num_preemptions", "Cumulative number of preemption from the engine.", counter(lambda s: s.evictions_total))
     w.counter(P + "prompt_tokens", "Number of prefill tokens processed.", counter(lambda s: s.prompt_tokens_total))
     w.counter(P + "generation_tokens", "Number of generation tokens processed.", counter(lambda s: s.generation_tokens_total))

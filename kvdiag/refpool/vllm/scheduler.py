@@ -64,6 +64,8 @@ class VLLMStats:
     cpu_offload_used_blocks: int
     cpu_offload_total_blocks: int  # 0 when offloading is off
     cpu_offload_evicted_blocks_total: int  # CPU blocks dropped (LRU) to make room for stores
+    cpu_offload_loaded_tokens_total: int  # CPU -> GPU tokens the connector's loads copied
+    cpu_offload_stored_tokens_total: int  # GPU -> CPU tokens its stores copied
     evicted_blocks_total: int  # cached GPU blocks whose hash was dropped at reuse
 
 
@@ -152,6 +154,7 @@ class VLLMScheduler:
         self._pending: _SchedulerOutput | None = None
         self.batch: BatchDecode | None = None  # batch-level decode accounting (enable_batch_decode)
         self.num_preemptions_total = 0
+        self.cpu_offload_loaded_tokens_total = self.cpu_offload_stored_tokens_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success_total = {"stop": 0, "length": 0}
@@ -291,6 +294,8 @@ class VLLMScheduler:
                     self._inflight_prefills.discard(r)
             plan.loaded_tokens = out.connector_meta.num_load_blocks * self.block_size
             plan.stored_tokens = out.connector_meta.num_store_blocks * self.block_size
+            self.cpu_offload_loaded_tokens_total += plan.loaded_tokens
+            self.cpu_offload_stored_tokens_total += plan.stored_tokens
         self._pending = out
         if self.debug:
             self.check_invariants()
@@ -490,6 +495,8 @@ class VLLMScheduler:
             cpu_offload_used_blocks=manager.num_used_blocks if manager is not None else 0,
             cpu_offload_total_blocks=manager.num_blocks if manager is not None else 0,
             cpu_offload_evicted_blocks_total=manager.num_evicted_blocks if manager is not None else 0,
+            cpu_offload_loaded_tokens_total=self.cpu_offload_loaded_tokens_total,
+            cpu_offload_stored_tokens_total=self.cpu_offload_stored_tokens_total,
             evicted_blocks_total=self.block_pool.num_evicted_blocks,
         )
 
