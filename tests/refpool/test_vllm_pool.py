@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.refpool.types import SimRequest, StepPlan
+from kvdiag.refpool.types import NullStore, SimRequest, StepPlan
 from tests.refpool.lockstep import lockstep_step
 from kvdiag.refpool.vllm.batch_decode import BatchDecode
 from kvdiag.refpool.vllm.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, cdiv
-from kvdiag.refpool.vllm.offload import CPUOffloadingManager
+from kvdiag.refpool.vllm.offload import CPUOffloadingManager, OffloadingConnector
 from kvdiag.refpool.vllm.request import Request, RequestStatus
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
@@ -491,6 +491,27 @@ def test_offload_load_allocates_gpu_blocks_before_the_copy() -> None:
     plan, _ = step(s, 3)
     assert chunks(plan) == [("r2", 1, 11, True)] and plan.loaded_tokens == 0
     assert store.verified_slots >= 12
+
+
+@pytest.mark.parametrize("budget", [8, 0, None])
+def test_offload_sync_load_budget_decides_which_loads_are_asynchronous(budget: int | None) -> None:
+    """A hit loads synchronously while the step's budget (tokens) holds it and a token is left to
+    compute; the budget is the step's, reset when the step's metadata is built."""
+    c = OffloadingConnector(16, 4, NullStore(), sync_load_tokens=budget)
+    stored = Request(sim("s", toks(0, 12)), 4).block_hashes
+    c.manager.prepare_store(stored)
+    c.manager.complete_store(stored)
+
+    def lookup(rid: str, prompt: tuple[int, ...]) -> tuple[int, bool]:
+        return c.get_num_new_matched_tokens(Request(sim(rid, prompt), 4), 0)
+
+    always_async = budget == 0  # vLLM's default
+    assert lookup("a", toks(0, 13)) == (12, budget is not None)  # 12 > 8: over the budget
+    assert lookup("b", toks(0, 8) + toks(50, 5)) == (8, always_async)
+    assert lookup("c", toks(0, 8) + toks(60, 5)) == (8, budget is not None)  # the step's budget is spent
+    assert lookup("d", toks(0, 12)) == (12, True)  # a full hit leaves nothing to compute
+    c.build_connector_meta([])
+    assert lookup("e", toks(0, 8) + toks(70, 5)) == (8, always_async)
 
 
 def test_offload_cpu_hit_does_not_help_admission() -> None:
