@@ -123,6 +123,8 @@ SERIES = {
                "transfer queues; requests deferred for their KV included); max over TP ranks"),
         Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
         Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
+        Series("instance:kvdiag_evictions:rate{evictions_recent_window}", "evictions_total",
+               "retract/preempt per second over the recent span the eviction check fires on"),
         Series("instance:kvdiag_ttft_seconds:p99_{window}", "ttft", "histogram_quantile of the TTFT buckets' rate()"),
         Series("instance:kvdiag_ttft_requests:increase{window}", "ttft", "first tokens observed in the window (traffic floor)"),
         Series("instance:kvdiag_prefix_hit:ratio{window}", "prefix_hit_tokens_total", "rate(hit tokens) / rate(queried tokens)"),
@@ -175,11 +177,17 @@ CHECKS = (
         "evictions_growing",
         "E",
         "retract/preempt counter growing",
-        "the eviction (retract/preempt) counter rose by >= {min_evictions} over the window, reset-safe",
-        ("window", "min_evictions", "min_samples"),
+        "the eviction (retract/preempt) counter rose by >= {min_evictions} over the last "
+        "{evictions_recent_window}, or over the {window} window while usage + the room the next admission "
+        "needs stayed >= {evictions_held_usage} at every sample of that last {evictions_recent_window} "
+        "(the pool that ran out is still that full), reset-safe",
+        ("window", "evictions_recent_window", "evictions_held_usage", "min_evictions", "min_samples"),
         ("evictions_total", "recompute_tokens_total", "preemptions_per_request"),
         True,
-        "instance:kvdiag_evictions:rate{window} * {window_seconds} >= {min_evictions}",
+        "instance:kvdiag_evictions:rate{evictions_recent_window} * {evictions_recent_window_seconds} >= {min_evictions}"
+        " or (instance:kvdiag_evictions:rate{window} * {window_seconds} >= {min_evictions}"
+        " and min_over_time(instance:kvdiag_kv_usage:ratio[{evictions_recent_window}])"
+        " + instance:kvdiag_kv_admission_need:ratio{window} >= {evictions_held_usage})",
     ),
     CheckSpec(
         "ttft_p99_high",

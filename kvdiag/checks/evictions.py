@@ -9,13 +9,26 @@ Its evidence carries what the evictions cost where the engine reports it: the to
 away and computed again (retracted input + output tokens), the preemptions per finished request
 (a histogram some engines export), never part of the status.
 
-The increase is PromQL's (``kvdiag.checks.stats``: every drop a reset, extrapolated to the
-window's edges), so the rule ``instance:kvdiag_evictions:rate5m * 300 >= 1`` is this check.
+It fires on the evictions of the recent span (``evictions_recent_window``, 1 m), and on those
+of the whole window only while the pool stayed full since: usage + the room the next admission
+needs (``checks/admission.py``) at least ``evictions_held_usage`` at every sample of the recent
+span. An eviction proves the pool ran out *then*: one retraction two minutes ago with a
+compute-bound queue since, the pool swinging well below full, does not make the pool the limit
+now (counted over the 5-minute window it would hold ``l1_kv_pressure`` for five minutes), while
+a pool that has stayed at the edge since still runs out between the samples the gauge shows.
+The window's count is in the evidence (``increase``) beside the recent one (``increase_recent``).
+
+Each increase is PromQL's (``kvdiag.checks.stats``: every drop a reset, extrapolated to the
+range's edges), so the rule ``instance:kvdiag_evictions:rate1m * 60 >= 1 or (instance:kvdiag_evictions:rate5m
+* 300 >= 1 and min_over_time(usage[1m]) + need >= 0.85)`` is this check.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvdiag.checks import stats
+from kvdiag.checks.admission import admission_usage
 from kvdiag.checks.base import absent, needs_window, result, since, span, too_short
 from kvdiag.config import Config
 from kvdiag.model import CheckResult
@@ -40,12 +53,18 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         return absent(NAME, window, ("evictions_total",), why)
     if too_short(ts, config):
         return needs_window(NAME, ts, config, {"evictions_total": float(total[-1])})
-    rate = stats.rate(ts, total, window.end, config.window)
-    increase = 0.0 if rate is None else rate * config.window
+    increase = _increase(ts, total, window.end, config.window)
+    short = stats.select(ts, window.end, config.evictions_recent_window)
+    recent = _increase(ts[short], total[short], window.end, config.evictions_recent_window)
+    held = _held_usage(window, config)
     resets = count_resets(total)
     minutes = (ts[-1] - ts[0]) / 60.0
     values = {
         "increase": increase,
+        "increase_recent": recent,
+        "recent_window_s": config.evictions_recent_window,
+        "held_admission_usage": held,
+        "held_threshold": config.evictions_held_usage,
         "per_minute": increase / minutes if minutes > 0 else None,
         "counter_first": float(total[0]),
         "counter_last": float(total[-1]),
@@ -53,7 +72,8 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "threshold": config.min_evictions,
         "source": window.last.provenance["evictions_total"].describe() if "evictions_total" in window.last.provenance else None,
     }
-    summary = f"{increase:.0f} evictions (retract/preempt) in {ts[-1] - ts[0]:.0f}s"
+    summary = (f"{recent:.0f} evictions (retract/preempt) in the last {config.evictions_recent_window:g}s, "
+               f"{increase:.0f} in {ts[-1] - ts[0]:.0f}s")
     if resets:
         summary += f"; {resets} counter reset{'s' if resets > 1 else ''} (engine restart) handled"
     cost = recompute_cost(window, config)
@@ -64,7 +84,28 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     if cost["preemptions_per_finished_request"] is not None:
         summary += (f"; {cost['preemptions_per_finished_request']:.2f} preemptions per finished request, "
                     f"{cost['finished_preempted_twice_or_more']:.0%} of them preempted twice or more")
-    return result(NAME, increase >= config.min_evictions, ts, values, summary)
+    held_full = held is not None and held >= config.evictions_held_usage
+    if recent < config.min_evictions and increase >= config.min_evictions:
+        summary += (f"; the pool stayed full since (usage + next admission >= {held:.2f} over the last "
+                    f"{config.evictions_recent_window:g}s)" if held_full else
+                    "; the pool has not stayed full since" + (f" (usage + next admission down to {held:.2f})" if held is not None else ""))
+    firing = recent >= config.min_evictions or (increase >= config.min_evictions and held_full)
+    return result(NAME, firing, ts, values, summary)
+
+
+def _held_usage(window: Window, config: Config) -> float | None:
+    """The lowest usage + next admission's need over the recent span (the need at its end, as
+    the rule's ``min_over_time(usage[recent]) + need``); None without a usage sample there."""
+    adm = admission_usage(window, config)
+    short = stats.select(adm.ts, window.end, config.evictions_recent_window)
+    return float(adm.usage[short].min()) + adm.need_ratio if short.any() else None
+
+
+def _increase(ts: np.ndarray, total: np.ndarray, end: float, seconds: float) -> float:
+    """``rate(total[seconds]) * seconds`` at ``end``, as PromQL extrapolates it (0 where PromQL
+    has no rate: fewer than two samples in the range, i.e. nothing rose there)."""
+    rate = stats.rate(ts, total, end, seconds)
+    return 0.0 if rate is None else rate * seconds
 
 
 def recompute_cost(window: Window, config: Config) -> dict[str, float | None]:

@@ -14,7 +14,11 @@ span the final verdict is judged on (the last ``Config.window`` seconds of the r
 * **backlog**: requests wait and the wait does not drain: the true waiting count averages at least
   ``QUEUE_FLOOR`` (5) requests over the span (fewer is the jitter of arrivals), and no less over its
   last third than over its first.
-* **recompute**: at least one running request was retracted / preempted in the span.
+* **recompute**: at least one running request was retracted / preempted in the span's last
+  ``Config.evictions_recent_window`` seconds, or earlier in the span while L1 bound (admission
+  blocked on KV at least half of the time) over those last seconds: the spans the eviction check
+  fires on. An eviction proved the pool ran out then; with the pool no longer binding at the
+  end it does not make the pool the limit there.
 * **full**: the free room (available + evictable) holds less than 10 % more requests of the
   span's mean size (prompt + output) than are running, during at least half of the span's time
   (the rule's own line: "10 % more load would hit L1").
@@ -274,13 +278,17 @@ class TruthReader:
         # The pool that binds: a hybrid model's SWA pool is the smaller one (deployments.py).
         self.capacity = min(c for c in (state.capacity_tokens, state.swa_capacity_tokens) if c)
 
-    def span(self, start: float, end: float) -> SpanTruth:
-        """The truth over the steps that started in ``[start, end)`` (module docstring)."""
+    def span(self, start: float, end: float, recompute_from: float | None = None) -> SpanTruth:
+        """The truth over the steps that started in ``[start, end)`` (module docstring); where
+        ``recompute_from`` is given, an eviction before it is a recompute only if L1 bound from
+        it on (``evictions`` counts the whole span)."""
         st = self.steps
         lo, hi = np.searchsorted(st["start"], [start, end], side="left")
         dur = st["duration"][lo:hi]
         kv_blocked = _weighted_share(st["blocked_on_kv"][lo:hi], dur)
         evictions = int(st["evicted"][lo:hi].sum())
+        rlo = lo if recompute_from is None else max(lo, int(np.searchsorted(st["start"], recompute_from, side="left")))
+        recompute = int(st["evicted"][rlo:hi].sum()) > 0 or (evictions > 0 and _weighted_share(st["blocked_on_kv"][rlo:hi], st["duration"][rlo:hi]) >= 0.5)
         waiting = st["waiting"][lo:hi].astype(float)
         third = max(1, len(waiting) // 3)
         backlog = bool(len(waiting)) and waiting.mean() >= QUEUE_FLOOR and waiting[-third:].mean() >= waiting[:third].mean()
@@ -289,14 +297,14 @@ class TruthReader:
         free_requests = (1.0 - st["usage"][lo:hi]) * self.capacity / max(mean_size, 1.0)
         full = free_requests < HEADROOM * np.maximum(st["running"][lo:hi], 1)
         full_share = _weighted_share(full, dur)
-        label = _label(kv_blocked >= 0.5, backlog, evictions > 0, full_share >= 0.5)
+        label = _label(kv_blocked >= 0.5, backlog, recompute, full_share >= 0.5)
         return SpanTruth(label, label in L1_VERDICTS, kv_blocked, evictions, backlog, full_share)
 
 
 def truth(sim: Simulation, end: float, config: Config) -> Truth:
     """The label the simulator's own records imply for the span ending at ``end`` (module doc)."""
     reader = TruthReader(sim)
-    span = reader.span(end - config.window, end)
+    span = reader.span(end - config.window, end, recompute_from=end - config.evictions_recent_window)
     onset = _onset(reader.steps, end) if span.label in L1_VERDICTS else None
     return Truth(span.label, span.kv_blocked_share, span.evictions, span.backlog, span.full_share, onset,
                  _slo_breach(sim, end, config.ttft_slo))

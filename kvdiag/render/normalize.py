@@ -54,8 +54,8 @@ def tagged(expr: str, **labels: str) -> str:
 
 
 def series_name(template: str, config: Config) -> str:
-    """A catalog series name with the window filled in (``rate{window}`` -> ``rate5m``)."""
-    return template.format(window=config.promql_params()["window"])
+    """A catalog series name with its durations filled in (``rate{window}`` -> ``rate5m``)."""
+    return template.format(**config.promql_params())
 
 
 def _catalog(name: str, config: Config) -> tuple[str, str]:
@@ -141,10 +141,13 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
         f"max {lbl.by()} ({sel(S + 'total_retracted_reqs')})",
         f"0 * group {lbl.by()} ({has_counter})",
     )
-    add("instance:kvdiag_evictions:rate{window}", first(
-        f"rate(({sglang_evictions})[{w}:])",
-        counter_rate(lbl, V + "num_preemptions", w),
-    ))
+    # The window's rate (dashboards, evidence) and the recent span's, which E fires on.
+    for name, span in (("{window}", w), ("{evictions_recent_window}", config.promql_params()["evictions_recent_window"])):
+        if name == "{window}" or span != w:
+            add("instance:kvdiag_evictions:rate" + name, first(
+                f"rate(({sglang_evictions})[{span}:])",
+                counter_rate(lbl, V + "num_preemptions", span),
+            ))
 
     # TTFT: SGLang's comes from the tokenizer process (server-wide), vLLM's per engine.
     ttft_buckets = f"{histogram_rate(lbl, S + 'time_to_first_token_seconds', w, STREAM)}"

@@ -197,9 +197,23 @@ def test_healthy(engine: str) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_transient_evictions_finding(engine: str) -> None:
-    d = run(engine, evictions=lambda i: 1 if i % 20 == 5 else 0)
+    d = run(engine, evictions=lambda i: 1 if i % 20 == 15 else 0)  # the last 20 s before the end
     assert d.verdict.name == "healthy" and findings(d) == {"transient_evictions"}
     assert any("if they recur" in r for r in d.remedies)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_old_eviction_does_not_hold_l1_pressure(engine: str) -> None:
+    """Issue 15: one retraction two minutes ago and a compute-bound queue since: the pool ran
+    out then, it does not limit now (queue_without_kv_pressure), and the window still counts
+    the eviction in E's evidence. The same eviction in the last minute: l1_kv_pressure."""
+    load = dict(usage=const(0.5), waiting=ramp(5, 1), running=const(48))
+    old = run(engine, evictions=lambda i: 1 if i == 35 else 0, **load)  # 120 s before the last scrape
+    e = old.checks["evictions_growing"]
+    assert (old.verdict.name, e.status) == ("queue_without_kv_pressure", "ok")
+    assert e.evidence.values["increase"] >= 1 and e.evidence.values["increase_recent"] == 0
+    new = run(engine, evictions=lambda i: 1 if i == 55 else 0, **load)  # 20 s before it
+    assert new.verdict.name == "l1_kv_pressure" and new.checks["evictions_growing"].evidence.values["increase_recent"] >= 1
 
 
 @pytest.mark.parametrize("engine", ENGINES)
