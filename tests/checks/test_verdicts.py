@@ -206,7 +206,8 @@ def test_transient_evictions_finding(engine: str) -> None:
 def test_an_old_eviction_does_not_hold_l1_pressure(engine: str) -> None:
     """Issue 15: one retraction two minutes ago and a compute-bound queue since: the pool ran
     out then, it does not limit now (queue_without_kv_pressure), and the window still counts
-    the eviction in E's evidence. The same eviction in the last minute: l1_kv_pressure."""
+    the eviction in E's evidence. The same eviction in the last minute, or with usage + the next
+    admission's need held at ~0.9 since (not pinned, as full as when it ran out): l1_kv_pressure."""
     load = dict(usage=const(0.5), waiting=ramp(5, 1), running=const(48))
     old = run(engine, evictions=lambda i: 1 if i == 35 else 0, **load)  # 120 s before the last scrape
     e = old.checks["evictions_growing"]
@@ -214,6 +215,12 @@ def test_an_old_eviction_does_not_hold_l1_pressure(engine: str) -> None:
     assert e.evidence.values["increase"] >= 1 and e.evidence.values["increase_recent"] == 0
     new = run(engine, evictions=lambda i: 1 if i == 55 else 0, **load)  # 20 s before it
     assert new.verdict.name == "l1_kv_pressure" and new.checks["evictions_growing"].evidence.values["increase_recent"] >= 1
+    usage = {"sglang": 0.81, "vllm": 0.9}[engine]  # SGLang's need adds its output reserve, ~0.09 here
+    held = run(engine, evictions=lambda i: 1 if i == 35 else 0, **{**load, "usage": const(usage)})
+    e = held.checks["evictions_growing"]
+    assert (held.verdict.name, held.checks["kv_usage_saturated"].status, e.status) == ("l1_kv_pressure", "ok", "firing")
+    assert e.evidence.values["increase_recent"] == 0 and 0.85 <= e.evidence.values["held_admission_usage"] < 0.95
+    assert "stayed full since" in e.evidence.summary
 
 
 @pytest.mark.parametrize("engine", ENGINES)
