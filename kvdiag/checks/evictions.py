@@ -72,8 +72,8 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "threshold": config.min_evictions,
         "source": window.last.provenance["evictions_total"].describe() if "evictions_total" in window.last.provenance else None,
     }
-    summary = (f"{recent:.0f} evictions (retract/preempt) in the last {config.evictions_recent_window:g}s, "
-               f"{increase:.0f} in {ts[-1] - ts[0]:.0f}s")
+    summary = (f"{increase:.0f} evictions (retract/preempt) in {ts[-1] - ts[0]:.0f}s, "
+               f"{recent:.0f} in the last {config.evictions_recent_window:g}s")
     if resets:
         summary += f"; {resets} counter reset{'s' if resets > 1 else ''} (engine restart) handled"
     cost = recompute_cost(window, config)
