@@ -73,6 +73,8 @@ def _names(config: Config) -> dict[str, str]:
         "hit": t("instance:kvdiag_prefix_hit:ratio{window}"),
         "l2_usage": t("instance:kvdiag_l2_usage:ratio"),
         "l2_hit": t("instance:kvdiag_l2_hit:share{window}"),
+        "l2_load": t("instance:kvdiag_l2_load_bytes:rate{window}"),
+        "l2_store": t("instance:kvdiag_l2_store_bytes:rate{window}"),
         "capacity": "instance:kvdiag_kv_capacity:tokens",
         "pool": "instance:kvdiag_kv_pool:tokens",
         "queues": "instance:kvdiag_queue:requests",
@@ -184,6 +186,12 @@ def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
             ), "The KV tier below L1 (L2: SGLang HiCache host memory, vLLM offloading, LMCache), where reported: occupancy "
                "where the tier exports it, and the share of lookups it served (the tier's own lookups for LMCache, "
                "queried tokens otherwise).", "percentunit", max=1.0),
+            Panel("L2 traffic", "timeseries", (
+                Query(f"{n['l2_load']}{s}", leg + " load (L2 to L1)"),
+                Query(f"{n['l2_store']}{s}", leg + " store (L1 to L2)"),
+            ), "Bytes per second between the GPU pool and the tier below it (SGLang HiCache load-back / backup, vLLM "
+               "offloading load / store). A hit is loaded into L1 slots allocated first: traffic with a pinned L1 is "
+               "recompute avoided, never room gained.", "Bps"),
             Panel(f"P{config.ttft_quantile * 100:g} TTFT", "timeseries", (Query(f"{n['ttft']}{s}", leg),),
                   "From the TTFT histogram over the window; the line is the SLO.", "s", thresholds=((config.ttft_slo, "red"),)),
             Panel("Prefix hit ratio", "timeseries", (Query(f"{n['hit']}{s}", leg),),

@@ -206,13 +206,19 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
 
     # L2 traffic: SGLang HiCache load-back / backup bytes (radix-cache series: no model label),
     # vLLM offloading's load / store bytes, else the deprecated total_bytes by transfer_type.
+    # SGLang's radix-cache series carry dp_rank="0" even without data parallelism, where its
+    # scheduler series (hence the instance) have no dp_rank: such a server's instance takes
+    # them by target alone, as the adapter gives an unsplit instance every sample.
     split_by = "by (" + ", ".join(lbl.target + lbl.split) + ")"
+    target_by = "by (" + ", ".join(lbl.target) + ")"
     for name, sglang_family, vllm_family, legacy in (
         ("instance:kvdiag_l2_load_bytes:rate{window}", "load_back_bytes", "kv_offload_load_bytes", "CPU_to_GPU"),
         ("instance:kvdiag_l2_store_bytes:rate{window}", "hicache_backup_bytes", "kv_offload_store_bytes", "GPU_to_CPU"),
     ):
+        radix = f"rate({sel(S + sglang_family, '_total')}[{w}])"
         add(name, first(
-            with_model(lbl, f"max {split_by} (rate({sel(S + sglang_family, '_total')}[{w}]))"),
+            with_model(lbl, f"max {split_by} ({radix})"),
+            with_model(lbl, f"max {target_by} ({radix})"),
             counter_rate(lbl, V + vllm_family, w),
             counter_rate(lbl, V + "kv_offload_total_bytes", w, f'transfer_type="{legacy}"'),
         ))

@@ -49,6 +49,9 @@ class Engine:
         if self.l2:
             st.l2_used_tokens = capacity // 10
             st.l2_hit_tokens_total = st.prompt_tokens_total // 100
+            # the host tier's traffic (SGLang's radix-cache counters): hits loaded back, prompts backed up
+            st.load_back_tokens_total, st.backup_tokens_total = st.l2_hit_tokens_total, st.prompt_tokens_total // 2
+            st.kv_bytes_per_token_per_rank = 163_840
         # SGLang's prefill counters: the uncached input, and the computed / cached split
         st.prefill_input_tokens_total = st.prompt_tokens_total - st.prefix_hit_tokens_total - st.l2_hit_tokens_total
         st.prefill_compute_tokens_total = st.prompt_tokens_total - st.prefix_hit_tokens_total
