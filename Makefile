@@ -36,7 +36,7 @@ demo: $(LIGHT)
 test: $(FULL) system-deps
 	bash scripts/engine-src.sh .cache/engine-src
 	bash scripts/oracle-env.sh .cache/oracle-venv
-	KVDIAG_ENGINE_SRC=$(CURDIR)/.cache/engine-src $(PY) -m pytest -q
+	KVDIAG_ENGINE_SRC=$(CURDIR)/.cache/engine-src $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 generate: $(LIGHT)
 	$(KVDIAG) render

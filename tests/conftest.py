@@ -107,3 +107,35 @@ def http_server() -> Iterator[Callable[[Responder], str]]:
     for s in started:
         s.shutdown()
         s.server_close()
+
+
+
+# ---------------------------------------------------------------- parallel runs (pytest-xdist)
+#: `make test` runs the suite on two workers with `--dist loadfile --no-loadscope-reorder`: a file
+#: is one unit of work (its module-scoped servers and simulations are set up once, in one worker),
+#: handed out in the order sorted here. These are the longest files on two cores (`--durations`),
+#: started first so that a minutes-long file handed out last does not leave one worker idle while
+#: the other runs it alone; the remedies precede the rules differential so that both land in one
+#: worker and share its `scenario_recordings`. Files not named here follow in collection order.
+#: (Not `loadgroup`: xdist 3.8 marks groups through a node attribute pytest 9 no longer reads.)
+LONGEST_FIRST = (
+    "tests/refpool/test_validate.py",
+    "tests/checks/test_remedies.py",
+    "tests/mixin/test_differential.py",
+    "tests/refpool/test_differential.py",
+    "tests/refpool/test_emit_monotone.py",
+    "tests/refpool/test_oracles.py",
+    "tests/deploy/test_native_stack.py",
+    "tests/test_demo.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files in LONGEST_FIRST first, in that order; each file's tests stay together."""
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: collection order within a file and among the rest
