@@ -39,7 +39,7 @@ from kvdiag import engines
 from kvdiag.checks.base import counter_ratio, gauge_hit_ratio, per_request, recent
 from kvdiag.checks.catalog import REMEDIES
 from kvdiag.config import Config
-from kvdiag.window import Window, counter_step
+from kvdiag.window import Window, counter_increase, counter_step
 
 Figures = dict[str, float | int | str | None]
 
@@ -113,7 +113,8 @@ def observed(window: Window, config: Config) -> Observed:
     pinned_at = int(running[pinned[0]]) if len(pinned) else None
     if not w.has("evictions_total"):
         return Observed(peak, None, None, pinned_at, None)
-    steps = _steps(w.column("evictions_total"))
+    total = w.column("evictions_total")
+    steps = _steps(total)
     quiet = seen & (steps == 0)
     around = np.fmax(running, np.concatenate(([np.nan], running[:-1])))
     evicting = (steps > 0) & ~np.isnan(around)
@@ -122,7 +123,7 @@ def observed(window: Window, config: Config) -> Observed:
         int(running[quiet].max()) if quiet.any() else None,
         int(around[evicting].min()) if evicting.any() else None,
         pinned_at,
-        float(np.nansum(steps)),
+        counter_increase(total[~np.isnan(total)]),  # bridges a missed scrape, which ``steps`` cannot
     )
 
 
@@ -154,8 +155,8 @@ def admission_limit(ceiling_requests: int | None, seen: Observed) -> Limit | Non
         if value is not None:
             reason += " (above the ceiling: running requests part-way through their output hold less than their full length)"
         value = seen.quiet_peak
-    if value is None:
-        return None
+    if not value:
+        return None  # no ceiling known, or a pool that holds no request whole: capping at 0 helps nothing
     if seen.evicted_at is not None and value >= seen.evicted_at:
         value = max(1, seen.evicted_at - 1)
         count = f" ({seen.evictions:,.0f} eviction{'s' if seen.evictions != 1 else ''})" if seen.evictions else ""

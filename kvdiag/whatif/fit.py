@@ -191,6 +191,8 @@ def fit(window: Window) -> Fit:
     ts = window.column("ts")
     duration = float(ts[-1] - ts[0])
     interval = float(np.median(np.diff(ts)))
+    if interval <= 0:
+        raise FitError(f"{window.instance}: most of its scrapes share a timestamp; arrivals per second cannot be fitted")
     knobs: list[Knob] = []
     pool = int(np.nanmax(window.column("capacity_tokens")))
     knobs.append(Knob("pool", f"{pool:,} tokens", "read", _source(window, "capacity_tokens")))

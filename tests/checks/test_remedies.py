@@ -4,6 +4,7 @@ contradicts the window it was drawn from (every scenario of the catalogue, both 
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,17 @@ def test_the_limit_is_the_ceiling_held_to_the_window(
 
 def test_no_limit_without_a_ceiling_or_a_running_count() -> None:
     assert admission_limit(None, Observed(None, None, None, None, None)) is None
+    # a pool that holds no request whole, on an idle engine: no "cap at 0"
+    assert admission_limit(0, Observed(0, 0, None, None, 0.0)) is None
+
+
+def test_evictions_across_a_missed_scrape_are_counted() -> None:
+    """A scrape without the counter: the rise across the gap still counts as evictions."""
+    w = window(recording("vllm", running=ramp(10, 1), evictions=lambda i: 3 if i == 41 else 0))
+    gap = Window(w.instance, [replace(s, evictions_total=None) if i == 40 else s for i, s in enumerate(w.samples)])
+    seen = observed(gap, CFG)
+    assert seen.evictions == 3.0
+    assert "no request was evicted" not in admission_limit(100, seen).reason  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("engine", ("sglang", "vllm"))

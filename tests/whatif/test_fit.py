@@ -68,6 +68,12 @@ def test_a_window_without_what_a_fit_needs_is_an_error() -> None:
     bare = Window(w.instance, [replace(s, requests_total=None, provenance={}) for s in w.samples])
     with pytest.raises(FitError, match="requests_total"):
         fit(bare)
+    # scrapes mostly at one timestamp (a frozen source): no per-second rate, said so, never a crash
+    busy = window(recording("vllm", steps=6))
+    stamped = busy.samples
+    frozen = Window(busy.instance, [replace(s, ts=stamped[0].ts if i < 4 else s.ts) for i, s in enumerate(stamped)])
+    with pytest.raises(FitError, match="share a timestamp"):
+        fit(frozen)
 
 
 def test_levers_change_the_knob_they_name() -> None:
