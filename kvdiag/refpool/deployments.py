@@ -445,46 +445,35 @@ def _external(state: EngineState, st: object) -> None:
     state.external_hit_tokens_total = st.external_prefix_cache_hits_total  # type: ignore[attr-defined]
 
 
-class ConnectorMetrics:
-    """vLLM's own hook plus the connector's external prefix-cache counters (0 without one),
-    for every unified vLLM instance, and the CPU offloading traffic (its load / store bytes,
-    where ``kv_bytes_per_token_per_rank`` turns tokens into bytes)."""
+class CounterMetrics:
+    """An engine's own hook plus the counters it exports beside the scheduler gauges (``counters``
+    copies them from the scheduler's stats after every step); ``kv_bytes_per_token_per_rank``
+    turns the L2 token counts into the byte counters."""
 
-    engine = "vllm"
-
-    def __init__(self, sched: VLLMScheduler, created: float, kv_bytes_per_token_per_rank: int | None = None) -> None:
-        self.base = VLLMMetrics(sched, created)
-        self.state = self.base.state
+    def __init__(self, base: EngineMetrics, counters: Callable[[EngineState, object], None],
+                 kv_bytes_per_token_per_rank: int | None = None) -> None:  # fmt: skip
+        self.base, self.counters = base, counters
+        self.engine = base.engine
+        self.state = base.state
         self.state.kv_bytes_per_token_per_rank = kv_bytes_per_token_per_rank
 
     def on_step(self) -> PoolTruth:
         truth = self.base.on_step()
-        st = self.base.scheduler.stats()
-        _external(self.state, st)
-        self.state.load_back_tokens_total = st.cpu_offload_loaded_tokens_total
-        self.state.backup_tokens_total = st.cpu_offload_stored_tokens_total
+        self.counters(self.state, self.base.scheduler.stats())  # type: ignore[attr-defined]
         return truth
 
 
-class SGLangCounterMetrics:
-    """SGLang's own hook plus the counters it exports beside the scheduler gauges: the tokens
-    retractions threw away (apart since 0.5.7) and the radix cache's eviction, load-back, backup
-    and drop counts."""
-
-    engine = "sglang"
-
-    def __init__(self, sched: SGLangScheduler, created: float, kv_bytes_per_token_per_rank: int | None = None) -> None:
-        self.base = SGLangMetrics(sched, created)
-        self.state = self.base.state
-        self.state.kv_bytes_per_token_per_rank = kv_bytes_per_token_per_rank
-
-    def on_step(self) -> PoolTruth:
-        truth = self.base.on_step()
-        _sglang_counters(self.state, self.base.scheduler.stats())
-        return truth
+def _vllm_counters(state: EngineState, st: object) -> None:
+    """The connector's external prefix-cache counters (0 without one) and CPU offloading's
+    loaded / stored tokens."""
+    _external(state, st)
+    state.load_back_tokens_total = st.cpu_offload_loaded_tokens_total  # type: ignore[attr-defined]
+    state.backup_tokens_total = st.cpu_offload_stored_tokens_total  # type: ignore[attr-defined]
 
 
 def _sglang_counters(state: EngineState, st: object) -> None:
+    """The tokens retractions threw away (apart since 0.5.7) and the radix cache's eviction,
+    load-back, backup and drop counts."""
     state.retracted_input_tokens_total = st.num_retracted_input_tokens_total  # type: ignore[attr-defined]
     state.retracted_output_tokens_total = st.num_retracted_output_tokens_total  # type: ignore[attr-defined]
     state.evicted_tokens_total = st.evicted_tokens_total  # type: ignore[attr-defined]
@@ -499,9 +488,9 @@ def unified_metrics(kv_bytes_per_token_per_rank: int | None = None) -> MetricsFa
 
     def make(sched: EngineScheduler, created: float) -> EngineMetrics:
         if isinstance(sched, VLLMScheduler):
-            return ConnectorMetrics(sched, created, kv_bytes_per_token_per_rank)
+            return CounterMetrics(VLLMMetrics(sched, created), _vllm_counters, kv_bytes_per_token_per_rank)
         if isinstance(sched, SGLangScheduler):
-            return SGLangCounterMetrics(sched, created, kv_bytes_per_token_per_rank)
+            return CounterMetrics(SGLangMetrics(sched, created), _sglang_counters, kv_bytes_per_token_per_rank)
         return default_metrics(sched, created)
 
     return make
