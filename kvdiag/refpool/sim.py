@@ -330,14 +330,20 @@ class Simulation:
         return float(np.quantile(v, q)) if v else None
 
     # -------------------------------------------------------------- internals
-    def _admit_arrivals(self) -> None:
-        while self._next is not None and self._next.arrival <= self.now:
+    def _admit_arrivals(self, now: float | None = None) -> int:
+        """Hand the scheduler every request that has arrived by ``now`` (default: the loop's
+        clock); how many."""
+        now = self.now if now is None else now
+        n = 0
+        while self._next is not None and self._next.arrival <= now:
             req = self._next
             self.scheduler.add_request(req)
             self._live[req] = None
             self._unscheduled.add(req)
             self._no_token.add(req)
             self._next = next(self._arrivals, None)
+            n += 1
+        return n
 
     def _idle_until(self, t: float) -> None:
         """Nothing can run: jump to the next arrival (or to ``t``)."""
@@ -365,30 +371,43 @@ class Simulation:
 
     def _fast_forward(self, t: float) -> bool:
         """Take the decode run the scheduler offers, up to the step that starts at or after
-        ``t`` or the next arrival (exactly where the step-by-step loop would stop or admit)."""
+        ``t`` or the next arrival (exactly where the step-by-step loop would stop or admit).
+
+        Where the run's queue is latched (``DecodeRun.queue_latched``), arrivals join it at the
+        top of the step they precede, as step by step, without ending the run: the offer is asked
+        again after each, and the run ends before that step if it is withdrawn (an arrival the
+        scheduler rejects outright is finished by a step of its own)."""
         offer = getattr(self.scheduler, "decode_run", None)
         if self.batch_time is None or offer is None:
             return False
         run: DecodeRun | None = offer()
         if run is None:
             return False
-        limit = min(t, self._next.arrival) if self._next is not None else t
-        starts, durations = [], []
-        now, context, n = self.now, run.context_tokens, run.batch
+        latched = run.queue_latched
+        limit = t if latched or self._next is None else min(t, self._next.arrival)
+        starts, durations, waiting = [], [], []
+        now, context, n, joined = self.now, run.context_tokens, run.batch, False
+        current: DecodeRun | None = run
         while len(starts) < run.max_steps and now < limit:
+            if latched and starts and self._admit_arrivals(now):
+                joined = True
+                current = offer()
+                if current is None:
+                    break
             dt = self.batch_time(n, context, float(context + n))  # n one-token decodes: pairs = context + n
             starts.append(now)
             durations.append(dt)
+            waiting.append(current.waiting)
             now, context = now + dt, context + n
-        if len(starts) < 2:
+        if len(starts) < 2 and not joined:
             return False
         used = self.scheduler.advance_decode(len(starts))  # type: ignore[attr-defined]
         self.now = now
         truth = self.metrics.on_step()  # decode steps change no counter: once is every step
         if self.record_steps:
             plan = StepPlan(blocked_on_kv=run.blocked_on_kv, blocked_other=run.blocked_other)
-            for start, dt, u in zip(starts, durations, used):
-                step_truth = PoolTruth(truth.capacity_tokens, u, truth.evictable_tokens, truth.running, truth.waiting)
+            for start, dt, u, w in zip(starts, durations, used, waiting):
+                step_truth = PoolTruth(truth.capacity_tokens, u, truth.evictable_tokens, truth.running, w)
                 self._log(plan, start, dt, n, False, step_truth, batch=n)
         return True
 

@@ -160,6 +160,11 @@ class DecodeRun:
     context_tokens: int  # sum of their tokens already in L1 before the first step
     blocked_on_kv: bool  # the same on every step (see StepPlan)
     blocked_other: bool
+    waiting: int  # requests queued, as the metrics hook's truth counts them
+    #: The queue is refused by a latch that a new request does not lift (SGLang's
+    #: ``batch_is_full``): requests arriving during the run join it and change nothing else,
+    #: unless ``add_request`` rejects one, which withdraws the offer.
+    queue_latched: bool = False
 
 
 class FastForward(Protocol):

@@ -9,8 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.scenarios import SCENARIOS, ScenarioRun
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
+from kvdiag.refpool.sim import Simulation
+from kvdiag.refpool.types import SimRequest
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
 CASES = [("sequence-cap", 150.0), ("restart", 260.0), ("near-capacity", 60.0), ("l1-saturation", 100.0)]
@@ -53,3 +56,41 @@ def test_fast_forward_takes_runs() -> None:
     before = len(fast.sims[0].steps.start)
     fast.advance(90.0)
     assert sum(calls) > 0.5 * (len(fast.sims[0].steps.start) - before) > 0
+
+
+def test_arrivals_join_a_latched_queue_exactly() -> None:
+    """SGLang's ``batch_is_full`` latch: requests that arrive during a decode run join the queue
+    without ending it, and one the scheduler rejects outright (a prompt past its input limit)
+    withdraws the offer and is finished by its own step, exactly as step by step."""
+    roofline = Roofline("llama-3-8b", "h200")
+    rng = np.random.default_rng(3)
+
+    def requests() -> list[SimRequest]:
+        out, t = [], 0.0
+        for i in range(60):
+            t += float(rng.exponential(0.05))
+            size = 20_500 if i % 7 == 3 else 200  # every 7th is past max_req_input_len (19,994)
+            out.append(SimRequest(f"q{i}", t, tuple(range(i * 100_000, i * 100_000 + size)), 300, 300))
+        return out
+
+    reqs = requests()
+    sims = []
+    for fast in (False, True):
+        sim = Simulation(
+            lambda: SGLangScheduler(max_total_num_tokens=20_000, max_running_requests=6),
+            [SimRequest(r.rid, r.arrival, r.prompt, r.max_new_tokens, r.output_len) for r in reqs],
+            roofline.step_time, batch_time=roofline.batch_seconds if fast else None,
+        )  # fmt: skip
+        sched = sim.scheduler
+        if fast:
+            runs: list[int] = []
+            orig = sched.advance_decode
+            sched.advance_decode = lambda k: runs.append(k) or orig(k)  # type: ignore[method-assign]
+        sims.append(sim.run(60.0))
+    slow, fast_sim = sims
+    assert sorted(slow.records, key=lambda r: r.rid) == sorted(fast_sim.records, key=lambda r: r.rid)
+    assert sum(r.finished is not None and r.first_token is None for r in fast_sim.records) >= 5  # the rejected ones
+    sa, sb = slow.steps.arrays(), fast_sim.steps.arrays()
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+    assert slow.state() == fast_sim.state()
+    assert sum(runs) > 0.5 * len(sb["start"])  # runs were taken, through arrivals

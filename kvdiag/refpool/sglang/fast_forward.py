@@ -39,7 +39,7 @@ def decode_run(s: SGLangScheduler) -> DecodeRun | None:
         return None  # too short a run
     on_kv = queued and s._batch_full_on_kv
     # The k-th step is not a plain one: it publishes a report, merges the free list or finishes a request.
-    return DecodeRun(k - 1, n, s._decode_context, on_kv, queued and not on_kv)
+    return DecodeRun(k - 1, n, s._decode_context, on_kv, queued and not on_kv, len(s.waiting_queue), queued and s.batch_is_full)
 
 
 def advance_decode(s: SGLangScheduler, steps: int) -> list[int]:
