@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         report = validate(scenarios, engines, config, args.interval, jobs, _plain(total))
     wanted = args.whatif if args.whatif is not None else not args.scenario
     pairs = whatif_pairs.validate_pairs(whatif_pairs.select(args.scenario, args.engine), config, args.interval, jobs,
-                                        whatif_pairs.progress_lines()) if wanted else []  # fmt: skip
+                                        whatif_pairs.progress_lines(), args.mem_fraction) if wanted else []  # fmt: skip
     if args.json:
         print(dumps(report.as_json() | ({"whatif": [p.as_json() for p in pairs]} if wanted else {}), indent=2))
     else:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiag.config import Config
-from kvdiag.refpool.scenarios import SCENARIOS
+from kvdiag.refpool.scenarios import Scenario, get
 from kvdiag.report.terminal import Fitted
 from kvdiag.whatif.compare import FLOORS, TOLERANCE, Errors, errors
 from kvdiag.whatif.fit import fit
@@ -43,6 +43,11 @@ class Pair:
     @property
     def name(self) -> str:
         return f"{self.scenario} on {self.engine}: {self.lever.label}"
+
+    def story(self, mem_fraction: float | None = None) -> Scenario:
+        """The scenario cut to the pair's duration, its pool re-sized as ``validate --mem-fraction``
+        re-sizes every scenario's (``scenarios.get``)."""
+        return replace(get(self.scenario, mem_fraction), duration=self.duration)
 
 
 PAIRS: tuple[Pair, ...] = (
@@ -86,10 +91,10 @@ class PairResult:
         }  # fmt: skip
 
 
-def run_pair(pair: Pair, config: Config, interval: float = 5.0) -> PairResult:
+def run_pair(pair: Pair, config: Config, interval: float = 5.0, mem_fraction: float | None = None) -> PairResult:
     """Fit from the scenario's emitted metrics, predict the remedy, run it for the truth."""
     t0 = time.perf_counter()
-    scenario = replace(SCENARIOS[pair.scenario], duration=pair.duration)
+    scenario = pair.story(mem_fraction)
     window = emitted(scenario, pair.engine, interval)[0][0]
     fitted = fit(window).scenario()
     return PairResult(
@@ -101,7 +106,7 @@ def run_pair(pair: Pair, config: Config, interval: float = 5.0) -> PairResult:
     )
 
 
-def _job(args: tuple[Pair, Config, float]) -> PairResult:
+def _job(args: tuple[Pair, Config, float, float | None]) -> PairResult:
     return run_pair(*args)
 
 
@@ -111,10 +116,12 @@ def validate_pairs(
     interval: float = 5.0,
     jobs: int = 1,
     progress: Callable[[PairResult], None] | None = None,
+    mem_fraction: float | None = None,
 ) -> list[PairResult]:
-    """Every pair, ``jobs`` at a time in worker processes; results in the order given."""
+    """Every pair (its pool re-sized by ``mem_fraction`` where given), ``jobs`` at a time in
+    worker processes; results in the order given."""
     config = config or Config()
-    return in_workers(_job, [(p, config, interval) for p in pairs], jobs, progress)
+    return in_workers(_job, [(p, config, interval, mem_fraction) for p in pairs], jobs, progress)
 
 
 def render(console: Console, results: list[PairResult]) -> None:

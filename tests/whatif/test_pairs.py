@@ -35,3 +35,12 @@ def test_validate_runs_the_selected_pairs(capsys: pytest.CaptureFixture[str]) ->
     assert (pair["scenario"], pair["engine"], pair["remedy"]) == ("noisy-healthy", "sglang", "dp=2")
     assert pair["ok"] is True and code == 0 and pair["errors"]["problems"] == []
     assert "validate whatif [1] noisy-healthy on sglang: dp=2: ok" in captured.err.splitlines()
+
+
+def test_mem_fraction_resizes_the_pairs_stories() -> None:
+    """`validate --mem-fraction` re-sizes the pairs' scenarios as it re-sizes every other's."""
+    pair = select(["l1-saturation"], ["sglang"])[0]
+    default, tight = pair.story(), pair.story(0.6)
+    assert default.duration == tight.duration == pair.duration
+    assert default.deployment.mem_fraction != 0.6 and tight.deployment.mem_fraction == 0.6
+    assert tight.deployment.pool_tokens < default.deployment.pool_tokens
