@@ -40,7 +40,7 @@ def test_validate_runs_the_selected_pairs(capsys: pytest.CaptureFixture[str]) ->
 def test_mem_fraction_resizes_the_pairs_stories() -> None:
     """`validate --mem-fraction` re-sizes the pairs' scenarios as it re-sizes every other's."""
     pair = select(["l1-saturation"], ["sglang"])[0]
-    default, tight = pair.story(), pair.story(0.6)
+    default, tight = pair.story(), pair.story(0.85)
     assert default.duration == tight.duration == pair.duration
-    assert default.deployment.mem_fraction != 0.6 and tight.deployment.mem_fraction == 0.6
+    assert default.deployment.mem_fraction != 0.85 and tight.deployment.mem_fraction == 0.85
     assert tight.deployment.pool_tokens < default.deployment.pool_tokens
