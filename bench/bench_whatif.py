@@ -14,7 +14,11 @@ sides' simulated requests, as the what-if pairs compare). An hour at full size i
 the pool's speed here it takes about an hour; the baseline's simulated seconds per wall second
 say how long.
 
-Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale 8] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm]
+The incident's windows can be kept (``--incident FILE``: read when it exists, written when not),
+so a rerun against changed replay code skips the full-size hour; delete the file when the
+reference engine changes what it emits.
+
+Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale 8] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE]
 Last line: JSON with the figures.
 """
 
@@ -23,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import time
+from pathlib import Path
 
 from kvdiag.checks import diagnose
 from kvdiag.config import Config
@@ -34,6 +40,7 @@ from kvdiag.whatif.compare import errors
 from kvdiag.whatif.fit import fit
 from kvdiag.whatif.levers import recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, emitted, replay_all
+from kvdiag.window import Window
 
 DEPLOYMENT = Deployment("llama-3-8b", "h200", tp=2, mem_fraction=0.73, served_model="meta-llama/Meta-Llama-3-8B-Instruct")
 INTERVAL = 15.0
@@ -50,14 +57,28 @@ def replays(jobs: list[Job], workers: int) -> tuple[list[Run], float]:
     return runs, time.perf_counter() - t0
 
 
-def whatif(minutes: float, engine: str, scales: tuple[float, ...], workers: int, config: Config) -> dict[str, object]:
+def incident_window(minutes: float, engine: str, keep: Path | None) -> tuple[Window, float]:
+    """The incident's window, from ``keep`` when it holds this one, else simulated (and kept
+    there); the seconds the simulation took (0 when read)."""
+    key = (minutes, engine)
+    if keep is not None and keep.exists():
+        kept = pickle.loads(keep.read_bytes())
+        if kept["key"] == key:
+            return kept["window"], 0.0
+    t0 = time.perf_counter()
+    [window], _ = emitted(incident(minutes), engine, INTERVAL)
+    if keep is not None:
+        keep.write_bytes(pickle.dumps({"key": key, "window": window}))
+    return window, time.perf_counter() - t0
+
+
+def whatif(minutes: float, engine: str, scales: tuple[float, ...], workers: int, config: Config, keep: Path | None = None) -> dict[str, object]:
     """The incident of ``minutes``, fitted, and its calibration + default remedies replayed at
     each of ``scales`` (timed); the scale models' errors against the full-size replays when 1
     is among them."""
-    t0 = time.perf_counter()
-    [window], _ = emitted(incident(minutes), engine, INTERVAL)
-    t_incident = time.perf_counter() - t0
-    print(f"incident: {minutes:g} min on {engine}, {len(window)} scrapes, simulated in {t_incident:.0f}s", flush=True)
+    window, t_incident = incident_window(minutes, engine, keep)
+    how = f"simulated in {t_incident:.0f}s" if t_incident else f"read from {keep}"
+    print(f"incident: {minutes:g} min on {engine}, {len(window)} scrapes, {how}", flush=True)
     f = fit(window)
     levers = resolve([], f.deployment, recommended_limit(diagnose(window, config).figures))
     scenario = f.scenario()
@@ -95,17 +116,19 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=8.0, help="the scale model's k (default 8)")
     p.add_argument("--baseline-minutes", type=float, default=5.0,
                    help="the window replayed at full size and as the scale model, for the model's error (default 5; "
-                   "an hour at full size takes about an hour here)")  # fmt: skip
+                   "an hour at full size takes about an hour here; 0: none)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="worker processes (default: one per core)")
     p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"))
+    p.add_argument("--incident", type=Path, metavar="FILE",
+                   help="keep the one-hour incident's window here: read when it exists, written when not")  # fmt: skip
     args = p.parse_args()
     tune_gc()
     config = Config()
     out = {
         "engine": args.engine,
         "jobs": args.jobs,
-        "baseline": whatif(args.baseline_minutes, args.engine, (args.scale, 1.0), args.jobs, config),
-        "window": whatif(args.minutes, args.engine, (args.scale,), args.jobs, config),
+        "baseline": whatif(args.baseline_minutes, args.engine, (args.scale, 1.0), args.jobs, config) if args.baseline_minutes > 0 else None,
+        "window": whatif(args.minutes, args.engine, (args.scale,), args.jobs, config, args.incident),
     }
     print(json.dumps(out))
 
