@@ -223,6 +223,26 @@ def test_paged_tree_matches_and_stores_whole_pages_only() -> None:
     check_tree_invariants(tree, [])
 
 
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_key_match_is_the_token_by_token_common_prefix(page_size: int) -> None:
+    """The halving search finds the engine's answer (``_key_match_page_size1`` / ``_paged``: the
+    first differing token, floored to a page) wherever the keys diverge: inside the first
+    stride, past many, at the last token, nowhere, with either key the shorter."""
+    tree = RadixCache(TokenToKVPoolAllocator(64, page_size=page_size), page_size=page_size)
+    rng = random.Random(7)
+    base = tuple(rng.randrange(50) for _ in range(700))
+    for n0 in (0, 1, 5, 63, 64, 65, 300, 700):
+        for diverge in (0, 1, 3, 64, 127, 128, 129, 299, 699, None):
+            key1 = list(base)
+            if diverge is not None:
+                key1[diverge] += 100
+            for a, b in ((base[:n0], tuple(key1)), (tuple(key1), base[:n0])):
+                common = 0
+                while common < min(len(a), len(b)) and a[common] == b[common]:
+                    common += 1
+                assert tree.key_match(a, b) == common // page_size * page_size, (n0, diverge)
+
 def test_lock_ref_moves_tokens_exactly_on_zero_one_transitions() -> None:
     tree = RadixCache(TokenToKVPoolAllocator(64))
     put(tree, seq(1, 6))

@@ -82,15 +82,23 @@ class TokenToKVPoolAllocator:
         is silent pool corruption, here it is a bug in the model.
         """
         ps = self.page_size
-        pages = list(dict.fromkeys(i // ps for i in free_index)) if ps > 1 else list(free_index)
+        pages = list(dict.fromkeys(i // ps for i in free_index)) if ps > 1 else free_index
         if not pages:
             return
-        if min(pages) < 1 or max(pages) > self.num_pages:
+        if len(pages) < _VECTOR_MIN:
+            idx = None
+            out_of_pool = min(pages) < 1 or max(pages) > self.num_pages
+            named_twice = ps == 1 and len(set(pages)) != len(pages)
+        else:  # one conversion serves the range, duplicate and ownership checks
+            idx = np.fromiter(pages, np.intp, len(pages))
+            out_of_pool = bool(idx.min() < 1 or idx.max() > self.num_pages)
+            named_twice = ps == 1 and not out_of_pool and _has_duplicates(idx)
+        if out_of_pool:
             p = next(p for p in pages if not 1 <= p <= self.num_pages)
             raise ValueError(f"slot page {p} is outside the pool (padding page 0 is never allocated)")
-        if ps == 1 and len(set(pages)) != len(pages):
+        if named_twice:
             raise ValueError("double free: a slot is named twice in one free()")
-        not_owned = self._flip_owned(pages, 1)
+        not_owned = self._flip_owned(pages, 1, idx)
         if not_owned is not None:
             raise ValueError(f"double free: page {not_owned} is not allocated")
         if ps == 1:
@@ -115,10 +123,11 @@ class TokenToKVPoolAllocator:
             pages, self._group = self._group, None
             self._free[self._head : self._head] = pages
 
-    def _flip_owned(self, pages: list[int], expect: int) -> int | None:
+    def _flip_owned(self, pages: Sequence[int], expect: int, idx: np.ndarray | None = None) -> int | None:
         """Flip the ownership flag of every page from ``expect``; if one is not ``expect``,
-        change nothing and return it. Vectorised past a few dozen pages: a prefill takes and
-        an eviction frees thousands of slots at a time."""
+        change nothing and return it. Vectorised past a few dozen pages (``idx``: the pages as
+        an index array, when the caller has it): a prefill takes and an eviction frees
+        thousands of slots at a time."""
         owned = self._owned
         if len(pages) < _VECTOR_MIN:
             for p in pages:
@@ -127,7 +136,9 @@ class TokenToKVPoolAllocator:
             for p in pages:
                 owned[p] = 1 - expect
             return None
-        idx, view = np.array(pages), self._owned_view
+        if idx is None:
+            idx = np.fromiter(pages, np.intp, len(pages))
+        view = self._owned_view
         wrong = view[idx] != expect
         if wrong.any():
             return pages[int(np.argmax(wrong))]
@@ -138,3 +149,9 @@ class TokenToKVPoolAllocator:
         """Whether the page holding ``slot`` is currently handed out (for invariant checks)."""
         page = slot // self.page_size
         return 1 <= page <= self.num_pages and bool(self._owned[page])
+
+
+def _has_duplicates(idx: np.ndarray) -> bool:
+    """Whether an index array names a value twice (a sort in C beats a Python set here)."""
+    s = np.sort(idx)
+    return bool((s[1:] == s[:-1]).any())

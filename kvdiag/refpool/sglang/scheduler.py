@@ -276,7 +276,8 @@ class SGLangScheduler:
             self.tree_cache, self.running_batch, self.ratio.current, self.max_prefill_tokens, self.chunked_prefill_size,
             self._running_output_offset() if self.batch_decode else None,
         )  # fmt: skip
-        if self.chunked_req is not None:
+        continuing = self.chunked_req is not None  # its chunk heads can_run_list; it is not queued
+        if continuing:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         blocked_on_kv: bool | None = None  # why the queue stopped, if it did
         for req in self.waiting_queue:
@@ -294,8 +295,8 @@ class SGLangScheduler:
                 if blocked_on_kv and (adder.can_run_list or self.running_batch):
                     self._set_batch_full(on_kv=True)
                 break
-        admitted = set(adder.can_run_list)
-        self.waiting_queue = [r for r in self.waiting_queue if r not in admitted]
+        # FCFS admits the head of the queue, in order, and stops at the first refusal.
+        del self.waiting_queue[: len(adder.can_run_list) - continuing]
         if blocked_on_kv is not None and self.waiting_queue:
             self._mark_blocked(plan, blocked_on_kv)
         if not adder.can_run_list:
@@ -327,7 +328,7 @@ class SGLangScheduler:
         self._prefix_refresh_calls += 1
         if refresh:
             for req in reversed(self.waiting_queue[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
-                self.tree_cache.match_prefix(req.origin_input_ids + tuple(req.output_ids))
+                self.tree_cache.touch_prefix(req.origin_input_ids + tuple(req.output_ids))
 
     def _prepare_for_extend(self, batch: list[Req], plan: StepPlan, now: float) -> None:
         """Allocate every extend (``alloc_token_slots`` evicts the shortfall first) and write KV."""
