@@ -190,7 +190,8 @@ def vllm_decode(i: int) -> str:
 
 def vllm_lmcache(i: int) -> str:
     """vLLM with LMCache sharing its multiprocess /metrics: the pool pinned, preemptions with their
-    histogram per finished request, LMCache hitting 2% of its lookups."""
+    histogram per finished request, LMCache holding 30% of what is looked up (the GPU's prefix hits
+    mostly) and retrieving 2%."""
     lbl = vllm_engine()
     lm = {"model_name": VL_MODEL, "role": "worker", "served_model_name": VL_MODEL, "worker_id": "0"}
     done = 20 * i
@@ -200,10 +201,21 @@ def vllm_lmcache(i: int) -> str:
         ("vllm:num_requests_waiting_by_reason", "gauge", {**lbl, "reason": "deferred"}, 0),
         ("vllm:request_num_preemptions", "histogram", lbl, (preempt, 0.45 * done)),
         ("vllm:admission_rejections", "counter", {"model_name": VL_MODEL, "reason": "max_num_queued_reqs"}, 2 * i),
-        ("lmcache:num_hit_tokens", "counter", lm, 2_000 * i),
-        ("lmcache:num_requested_tokens", "counter", lm, 100_000 * i),
+        *lmcache_counters(lm, 100_000 * i, 30_000 * i, 2_000 * i),
         ("lmcache:local_cache_usage", "gauge", lm, 3e9),
     ])
+
+
+def lmcache_counters(lm: dict[str, str], looked_up: float, found: float, retrieved: float) -> list[Metric]:
+    """LMCache 0.5.6's token counters: ``looked_up`` tokens asked in lookups, ``found`` of them
+    held (vLLM's own GPU prefix hits included), and the retrieve pair: vLLM asks it only for
+    ``retrieved``, what it found beyond the GPU's hits, and gets all of it."""
+    return [
+        ("lmcache:num_lookup_tokens", "counter", lm, looked_up),
+        ("lmcache:num_lookup_hits", "counter", lm, found),
+        ("lmcache:num_requested_tokens", "counter", lm, retrieved),
+        ("lmcache:num_hit_tokens", "counter", lm, retrieved),
+    ]
 
 
 def vllm_two_writers(i: int) -> str:

@@ -22,7 +22,7 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
 - L2: native CPU offloading exports traffic (``kv_offload_{load,store}_bytes``; 
   ``kv_offload_cpu_cache_usage_perc`` is the share pinned by transfers, not occupancy) and hits
   by source (``prompt_tokens_cached_by_source{source="host"}``, ``"disk"`` for L3); LMCache
-  exports its own ``lmcache:*`` series (hits, requested tokens; no capacity), which join the vLLM
+  exports its own ``lmcache:*`` series (tokens looked up and retrieved; no capacity), which join the vLLM
   instance by model name where they share its /metrics (multiprocess mode).
 """
 

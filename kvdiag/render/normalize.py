@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvdiag.checks.catalog import SERIES
 from kvdiag.config import Config
-from kvdiag.engines import sglang, vllm
+from kvdiag.engines import lmcache, sglang, vllm
 from kvdiag.render.promql import (
     INSTANCE_INFO,
     Labels,
@@ -89,6 +89,53 @@ def latest_writer(lbl: Labels, family: str, w: str) -> str:
     by = lbl.by()
     newest = f"{changed} == on ({', '.join(lbl.key)}) group_left () (max {by} ({changed}))"
     return first(f"max {by} ({series} and on ({', '.join(lbl.key)}, pid) ({newest}))", gauge(lbl, family))
+
+
+#: The host part of a target's ``instance`` label (``host:port``, ``[v6]:port`` or a bare host).
+HOST = ("instance", "(.*?)(?::[0-9]+)?")
+
+
+def with_host(expr: str) -> str:
+    """``expr`` with a ``host`` label: its ``instance``'s host part (``HOST``)."""
+    return f'label_replace({expr}, "host", "$1", "{HOST[0]}", "{HOST[1]}")'
+
+
+#: LMCache's hit share per tier target, with the target's host (``lmcache_target_share``).
+LMCACHE_SHARE = "target:kvdiag_lmcache_hit:share{window}"
+
+
+def lmcache_target_share(lbl: Labels, w: str) -> str:
+    """LMCache's hit share per target and model, with a ``host`` label (``with_host``).
+
+    Its series carry no engine label and reach Prometheus on the vLLM server's own /metrics (a
+    shared multiprocess directory) or on a target of their own (another port). The model is the
+    served name, else the model name; the share is the tokens it retrieved over every token
+    looked up in it, else over the retrieve requests where a version counts no lookups
+    (``lmcache.QUERIES``); workers (TP ranks) count the same tokens, so the max is taken."""
+    by = "by (" + ", ".join(lbl.target + (lbl.model, "host")) + ")"
+
+    def tier_rate(family: str) -> str:
+        rate = f'label_replace(rate({sel(family, "_total")}[{w}]), "{lbl.model}", "$1", "served_model_name", "(.+)")'
+        return f"max {by} ({with_host(rate)})"
+
+    return f"{tier_rate(lmcache.HITS)} / ({first(*(tier_rate(name) for name, _ in lmcache.QUERIES))})"
+
+
+def lmcache_joined(lbl: Labels, share: str) -> str:
+    """The per-target ``share`` on the engine instances it belongs to: on the engine's own
+    /metrics, the engine's (the adapter reads it there); else as ``kvdiag.window.join_tier``
+    joins a tier target, the instances serving its model on its host, and where no tier is on an
+    instance's host, the one tier target of that model (a target of its own)."""
+    key = "by (" + ", ".join(lbl.key) + ")"
+    server = ", ".join(lbl.server)
+    on_host = f"max by (host, {lbl.model}) ({share})"
+    own = f"{share} unless on ({', '.join(lbl.target)}) {INSTANCE_INFO}"
+    lone = f"max by ({lbl.model}) ({own}) and on ({lbl.model}) (count by ({lbl.model}) ({own}) == 1)"
+    return first(
+        f"max {key} ({share} + on ({server}) group_right () (0 * {INSTANCE_INFO}))",
+        f"max {key} (({on_host}) + on (host, {lbl.model}) group_right () (0 * {with_host(INSTANCE_INFO)}))",
+        f"max {key} (({lone}) + on ({lbl.model}) group_right () (0 * {INSTANCE_INFO}))",
+    )
 
 
 def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
@@ -188,16 +235,11 @@ def recordings(config: Config, lbl: Labels = Labels()) -> list[Recording]:
     # is the share pinned by transfers).
     add("instance:kvdiag_l2_usage:ratio", f"{gauge(lbl, S + 'hicache_host_used_tokens')} / {gauge(lbl, S + 'hicache_host_total_tokens')}")
     vllm_host = counter_rate(lbl, V + "prompt_tokens_cached_by_source", w, 'source="host"')
-    # LMCache's own series (no engine label) join the vLLM server by its served model name.
-    lmc = vllm.LMCACHE
-
-    def lmcache_rate(family: str) -> str:
-        by = "by (" + ", ".join(lbl.server) + ")"
-        return (f'max {by} (label_replace(rate({sel(lmc + family, "_total")}[{w}]), '
-                f'"{lbl.model}", "$1", "served_model_name", "(.+)"))')
-
+    # LMCache's own series joined to the vLLM instances they belong to (same host, same model).
+    tier_share = add(None, lmcache_target_share(lbl, w), series_name(LMCACHE_SHARE, config),
+                     "LMCache's hit share (tokens retrieved over tokens looked up) per target, with the target's host")
     add("instance:kvdiag_l2_hit:share{window}", first(
-        broadcast(lbl, f"{lmcache_rate('num_hit_tokens')} / {lmcache_rate('num_requested_tokens')}"),
+        lmcache_joined(lbl, tier_share),
         f"{eff_host} / {eff_all}",
         broadcast(lbl, f"{counter_rate(lbl, cached, w, host, STREAM)} / {prompt}"),
         f"{vllm_host}"

@@ -209,7 +209,7 @@ def test_lmcache_on_its_own_target_joins_the_vllm_instance_of_its_model(tmp_path
 
     def tier(i: int) -> str:
         lm = {"model_name": dialects.VL_MODEL, "role": "worker", "served_model_name": dialects.VL_MODEL, "worker_id": "0"}
-        return dialects.expose([("lmcache:num_hit_tokens", "counter", lm, 2_000 * i), ("lmcache:num_requested_tokens", "counter", lm, 100_000 * i)])
+        return dialects.expose(dialects.lmcache_counters(lm, 100_000 * i, 30_000 * i, 2_000 * i))
 
     both = []
     for i in range(STEPS):

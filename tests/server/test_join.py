@@ -20,7 +20,7 @@ def _engine(target: str, ts: float) -> PoolSample:
 
 def _tier(target: str, ts: float, hits: float) -> InstanceState:
     lm = {"model_name": dialects.VL_MODEL, "role": "worker", "served_model_name": dialects.VL_MODEL, "worker_id": "0"}
-    body = dialects.expose([("lmcache:num_hit_tokens", "counter", lm, hits), ("lmcache:num_requested_tokens", "counter", lm, 10 * hits)])
+    body = dialects.expose(dialects.lmcache_counters(lm, 10 * hits, 5 * hits, hits))
     (s,) = normalize_scrape(Scrape(ts, target, None, body))
     assert s.tier_only
     inst = InstanceState(s.instance, Ring(4))
