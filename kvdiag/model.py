@@ -278,6 +278,9 @@ class PoolSample:
     writers: dict[str, dict[str, float]] = field(default_factory=dict)
     # pid -> ts of the scrape where that pid's value last changed, per field (set by the window).
     writer_changed: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Fields an adapter derived from such a gauge as its value times a factor (vLLM's used tokens
+    # = usage x capacity): field -> (gauge field, factor), re-derived from the writer picked.
+    scaled: dict[str, tuple[str, float]] = field(default_factory=dict)
     provenance: dict[str, Provenance] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

@@ -156,10 +156,20 @@ def resolve_writers(prev: PoolSample | None, sample: PoolSample) -> None:
             pid, v = max(((p, values[p]) for p, t in changed.items() if t == newest), key=lambda x: x[1])
             how = f"written per process ({spread}); pid {pid} changed its value most recently: taken"
             setattr(sample, name, v)
+            _rescale(sample, name, v, f"pid {pid}'s {name} (most recent writer)")
         else:
             how = (f"written per process ({spread}); no process has changed its value yet, so which wrote last is "
                    "ambiguous: the max is taken")
         sample.provenance[name] = replace(src, note="; ".join(x for x in (src.note, how) if x))
+
+
+def _rescale(sample: PoolSample, name: str, value: float, whose: str) -> None:
+    """Re-derive the fields ``sample.scaled`` derives from gauge ``name``, now ``value``, so
+    that they say what the gauge says (not what the max over processes said)."""
+    for derived, (source, factor) in sample.scaled.items():
+        src = sample.provenance.get(derived)
+        if source == name and src is not None and not src.invalid:
+            sample.set(derived, value * factor, replace(src, note="; ".join(x for x in (src.note, "from " + whose) if x)))
 
 
 class Window:

@@ -136,6 +136,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
             ps.usage_ratio * ps.capacity_tokens,
             Provenance(f"{usage_name} x capacity", True, "block granularity; evictable and free are not reported apart"),
         )
+        ps.scaled["used_tokens"] = ("usage_ratio", ps.capacity_tokens)
     put(ps, "running", P + "num_requests_running", expo.get(P + "num_requests_running"), split)
     put(ps, "waiting", P + "num_requests_waiting", expo.get(P + "num_requests_waiting"), split, note="waiting + deferred")
     _queues(expo, ps, split)

@@ -152,7 +152,7 @@ def test_per_process_usage_reads_the_most_recent_writer(reports: dict[str, dict]
     assert list(w.column("usage_ratio")) == pytest.approx([0.97] + [0.30 + 0.02 * (i % 3) for i in range(1, STEPS)])
 
 
-def test_two_processes_that_wrote_09_then_03_read_as_03() -> None:
+def test_two_processes_that_wrote_09_then_03_read_as_03_with_the_used_tokens_that_follow() -> None:
     def body(a: float, b: float) -> str:
         lbl = dialects.vllm_engine()
         return dialects.expose(dialects.vllm_core(lbl, {"101": a, "102": b}, 3, 0, 0))
@@ -164,6 +164,14 @@ def test_two_processes_that_wrote_09_then_03_read_as_03() -> None:
     assert "ambiguous: the max is taken" in single.last.provenance["usage_ratio"].note
     (w,) = windows(one + two).values()
     assert list(w.column("usage_ratio")) == [0.9, 0.3]
+    # used tokens (usage x capacity) follow the writer taken, in the CLI's window and the exporter's columns
+    capacity = w.last.capacity_tokens
+    assert capacity == 196_592 and list(w.column("used_tokens")) == [0.9 * capacity, 0.3 * capacity]
+    assert "from pid 102's usage_ratio (most recent writer)" in w.last.provenance["used_tokens"].note
+    ring = Ring(4)
+    for scrape in (Scrape(0.0, TARGET, None, body(0.9, 0.1)), Scrape(15.0, TARGET, None, body(0.9, 0.3))):
+        ring.append(*normalize_scrape(scrape))
+    assert list(ring.window(w.instance).column("used_tokens")) == [0.9 * capacity, 0.3 * capacity]  # type: ignore[union-attr]
 
 
 def test_rules_equal_python_on_every_deployment(tmp_path: Path) -> None:
