@@ -134,7 +134,7 @@ NUMERIC_FIELDS = (
 )
 
 #: Fields that hold a cumulative ``Histogram``.
-HISTOGRAM_FIELDS = ("ttft", "queue_time", "preemptions_per_request")
+HISTOGRAM_FIELDS = ("ttft", "queue_time", "preemptions_per_request", "prompt_lengths", "output_lengths")
 
 #: (part, whole) counter pairs: hits are a subset of queries, so a part above its whole makes
 #: the ratio above 1 and both figures suspect.
@@ -272,6 +272,10 @@ class PoolSample:
     # Latency histograms (cumulative).
     ttft: Histogram | None = None
     queue_time: Histogram | None = None
+    # Prompt and generated tokens per finished request (cumulative histograms): the lengths'
+    # spread, which the token counters (their sums) cannot give.
+    prompt_lengths: Histogram | None = None
+    output_lengths: Histogram | None = None
     labels: dict[str, str] = field(default_factory=dict)  # the labels that split this instance
     # Gauges written per process (a ``pid`` label without a multiprocess mode): field -> pid ->
     # value, for the window to pick the most recent writer (``kvdiag.window.resolve_writers``).
@@ -321,11 +325,9 @@ class PoolSample:
 
     @property
     def prefix_hit_ratio(self) -> float | None:
-        """Hit ratio at this scrape: the counters over the engine's lifetime, else the engine's
-        own rate gauge (old engines export no counters). Windows rate the counters instead."""
-        if self.prefix_hit_tokens_total is not None and self.prefix_query_tokens_total:
-            return self.prefix_hit_tokens_total / self.prefix_query_tokens_total
-        return self.prefix_hit_ratio_gauge
+        """Hit ratio at this scrape (``hit_ratio``): the counters over the engine's lifetime.
+        Windows rate the counters instead."""
+        return hit_ratio(self.prefix_hit_tokens_total, self.prefix_query_tokens_total, self.prefix_hit_ratio_gauge)
 
     @property
     def binding_pool(self) -> Pool | None:
@@ -334,6 +336,16 @@ class PoolSample:
 
     def present(self) -> list[str]:
         return [f.name for f in fields(self) if f.name in self.provenance and not self.provenance[f.name].invalid]
+
+
+def hit_ratio(hits: float | None, queried: float | None, gauge: float | None) -> float | None:
+    """The prefix hit ratio from what an engine reports, whatever the span: hit tokens over
+    queried tokens where both were counted and some were queried, else the engine's own hit-rate
+    gauge (old engines count nothing; None where it has none either). Callers give lifetime
+    totals, a window's increases or PromQL rates; the fallback is the same."""
+    if hits is not None and queried:
+        return hits / queried
+    return gauge
 
 
 @dataclass

@@ -55,6 +55,25 @@ def counter_step(prev: float | None, value: float) -> float | None:
     return None
 
 
+def counter_steps(values: np.ndarray, bridge: bool = False) -> np.ndarray:
+    """What a counter column added over each interval ending at a scrape (``counter_step``):
+    element ``i`` is the interval ending at scrape ``i``; NaN at the first reading, at an absent
+    or impossible one, and at the interval after a gap, unless ``bridge``: then that interval
+    counts the rise since the last possible reading (a missed scrape loses nothing)."""
+    out = np.full(len(values), np.nan)
+    prev: float | None = None
+    for i, v in enumerate(values):
+        if math.isnan(v):
+            prev = prev if bridge else None
+            continue
+        step = counter_step(prev, float(v)) if prev is not None else None
+        if step is not None:
+            out[i] = step
+        if not bridge or prev is None or step is not None:  # a bridge skips an impossible reading
+            prev = float(v)
+    return out
+
+
 def counter_valid(values: np.ndarray) -> np.ndarray:
     """Which samples of a cumulative series (NaNs already removed) are possible values."""
     keep = np.ones(len(values), dtype=bool)

@@ -46,6 +46,44 @@ def test_vllm_fixture_numbers(vllm_fixture: str) -> None:
     assert s.provenance["evictions_total"].metric == "vllm:num_preemptions_total"
 
 
+def test_length_histograms_from_real_expositions(sglang_fixture: str, vllm_fixture: str) -> None:
+    """Both engines' per-request length histograms as their /metrics show them (SGLang 0.5.23's
+    100...1.1e6 buckets, vLLM 0.33.0's 1-2-5 series up to max_model_len), in the histogram type
+    TTFT uses, with the metric they came from."""
+    [s] = _samples(sglang_fixture)
+    p, o = s.prompt_lengths, s.output_lengths
+    assert (p.count, p.sum, o.count, o.sum) == (5117, 1.7813234e7, 5117, 2.599673e6)
+    assert p.bounds[:3] == (100.0, 300.0, 500.0) and p.bounds[-2] == 1.1e6 and o.bounds == p.bounds
+    assert dict(zip(p.bounds, p.counts))[3000.0] == 1721 and dict(zip(o.bounds, o.counts))[300.0] == 1196
+    assert (s.provenance["prompt_lengths"].metric, s.provenance["output_lengths"].metric) == (
+        "sglang:prompt_tokens_histogram", "sglang:generation_tokens_histogram")
+    [v] = _samples(vllm_fixture)
+    p, o = v.prompt_lengths, v.output_lengths
+    assert p.bounds[:4] == (1.0, 2.0, 5.0, 10.0) and p.bounds[-2] == 20000.0  # this server's max_model_len
+    assert (p.count, p.sum, o.sum) == (5117, 1.7792191e7, 2.604324e6)
+    assert dict(zip(p.bounds, p.counts))[2000.0] == 2 and dict(zip(o.bounds, o.counts))[500.0] == 2535
+    assert v.provenance["prompt_lengths"].metric == "vllm:request_prompt_tokens"
+
+
+def test_length_histograms_stay_absent_where_none_is_exported() -> None:
+    """The releases the facts read export them (SGLang from its first finished request); the
+    other dialects and an SGLang server that has finished nothing leave them absent, not empty."""
+    st = _state()
+    for prompt, output, cached in ((120, 30, 0), (900, 250, 600), (2500, 4, 100)):
+        st.observe_finished(prompt, output, cached)
+    for engine, dialects in (("sglang", SGLANG_DIALECTS), ("vllm", VLLM_DIALECTS)):
+        for dialect in dialects:
+            [s] = _samples(render(engine, [st], dialect))
+            if dialect in ("0.5.23", "0.33.0"):
+                assert (s.prompt_lengths.count, s.prompt_lengths.sum, s.output_lengths.sum) == (3, 3520, 284), dialect
+            else:
+                assert s.prompt_lengths is None and s.output_lengths is None and "prompt_lengths" not in s.provenance, dialect
+    [idle] = _samples(render("sglang", [_state()], "0.5.23"))
+    assert idle.prompt_lengths is None and idle.output_lengths is None
+    [fresh] = _samples(render("vllm", [_state()], "0.33.0"))  # registered at start: an empty histogram
+    assert fresh.prompt_lengths is not None and fresh.prompt_lengths.count == 0
+
+
 def _state(**kw: float) -> EngineState:
     base = dict(
         capacity_tokens=100_000, used_tokens=96_000, evictable_tokens=2_500, running=40, waiting=12,

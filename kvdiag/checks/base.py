@@ -127,6 +127,15 @@ def gauge_hit_ratio(window: Window, config: Config) -> float | None:
     return float(gauge.mean()) if len(gauge) else None
 
 
+def hit_ratio(window: Window, config: Config) -> float | None:
+    """The span's prefix hit ratio (``model.hit_ratio``'s fallback): the hit counter's rate over
+    the queried counter's (``counter_ratio``) where the instance reports both, else the mean of
+    its hit-rate gauge; None where it reports neither or nothing was queried."""
+    if window.has("prefix_hit_tokens_total") and window.has("prefix_query_tokens_total"):
+        return counter_ratio(window, config, "prefix_hit_tokens_total", "prefix_query_tokens_total")[1]
+    return gauge_hit_ratio(window, config)
+
+
 def per_request(window: Window, config: Config, field: str) -> tuple[float | None, str]:
     """Tokens per finished request of a token counter, and the basis: the increases over the
     span, or the engine's lifetime totals when no request finished in it (a single scrape)."""

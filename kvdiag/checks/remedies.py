@@ -36,10 +36,10 @@ from typing import Iterable
 import numpy as np
 
 from kvdiag import engines
-from kvdiag.checks.base import counter_ratio, gauge_hit_ratio, per_request, recent
+from kvdiag.checks.base import hit_ratio, per_request, recent
 from kvdiag.checks.catalog import REMEDIES
 from kvdiag.config import Config
-from kvdiag.window import Window, counter_increase, counter_step
+from kvdiag.window import Window, counter_increase, counter_steps
 
 Figures = dict[str, float | int | str | None]
 
@@ -79,11 +79,7 @@ def footprint(window: Window, config: Config) -> tuple[Footprint | None, str]:
     output, output_basis = per_request(window, config, "generation_tokens_total")
     if not (prompt or 0.0) + (output or 0.0):
         return None, "unknown"
-    if window.has("prefix_hit_tokens_total") and window.has("prefix_query_tokens_total"):
-        hit = counter_ratio(window, config, "prefix_hit_tokens_total", "prefix_query_tokens_total")[1]
-    else:
-        hit = gauge_hit_ratio(window, config)
-    return Footprint(prompt or 0.0, output or 0.0, hit), prompt_basis if prompt is not None else output_basis
+    return Footprint(prompt or 0.0, output or 0.0, hit_ratio(window, config)), prompt_basis if prompt is not None else output_basis
 
 
 @dataclass(frozen=True)
@@ -114,7 +110,7 @@ def observed(window: Window, config: Config) -> Observed:
     if not w.has("evictions_total"):
         return Observed(peak, None, None, pinned_at, None)
     total = w.column("evictions_total")
-    steps = _steps(total)
+    steps = counter_steps(total)
     quiet = seen & (steps == 0)
     around = np.fmax(running, np.concatenate(([np.nan], running[:-1])))
     evicting = (steps > 0) & ~np.isnan(around)
@@ -125,17 +121,6 @@ def observed(window: Window, config: Config) -> Observed:
         pinned_at,
         counter_increase(total[~np.isnan(total)]),  # bridges a missed scrape, which ``steps`` cannot
     )
-
-
-def _steps(counter: np.ndarray) -> np.ndarray:
-    """What a counter added over each interval ending at a scrape (``counter_step``); NaN at
-    the first scrape and wherever a scrape or the one before it has no reading."""
-    out = np.full(len(counter), np.nan)
-    for i in range(1, len(counter)):
-        if not (np.isnan(counter[i]) or np.isnan(counter[i - 1])):
-            step = counter_step(float(counter[i - 1]), float(counter[i]))
-            out[i] = np.nan if step is None else step
-    return out
 
 
 @dataclass(frozen=True)

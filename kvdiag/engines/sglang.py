@@ -11,7 +11,8 @@ Version facts encoded here (shared/facts/engine-metrics.md §2):
 - the multiprocess registry omits a counter until it is first incremented, so on a version
   that has the retraction counter its absence means "none yet";
 - ``dp_rank`` splits a server into data-parallel engines; tokenizer series (TTFT, prompt tokens,
-  cached tokens) carry no ``dp_rank`` and are server-wide;
+  cached tokens, the prompt / generation length histograms, buckets 100...1,100,000, observed per
+  finished request, no flag in 0.5.23) carry no ``dp_rank`` and are server-wide;
 - the role is the scheduler series' ``engine_type`` label (unified | prefill | decode, 0.5.8+;
   always "unified" before); the PD queue gauges are exported as 0 in unified mode, so a non-zero
   one only backs the label up where it is missing. A decode instance's pre-allocation queue waits
@@ -98,6 +99,8 @@ WANTED = (
     P + "hicache_host_total_tokens",
     P + "time_to_first_token_seconds",
     P + "queue_time_seconds",
+    P + "prompt_tokens_histogram",
+    P + "generation_tokens_histogram",
     P + "num_retracted_input_tokens",
     P + "num_retracted_output_tokens",
     P + "swa_token_usage",
@@ -212,6 +215,8 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
         ps.l2_tier = "HiCache host-memory tier"
     put_histogram(ps, "ttft", *fam("time_to_first_token_seconds"), split, sum_over=_STREAM)
     put_histogram(ps, "queue_time", *fam("queue_time_seconds"), split, sum_over=_STREAM)
+    put_histogram(ps, "prompt_lengths", *fam("prompt_tokens_histogram"), split)
+    put_histogram(ps, "output_lengths", *fam("generation_tokens_histogram"), split)
     ps.check_parts()
     return ps
 

@@ -17,6 +17,8 @@ Version facts encoded here (shared/facts/engine-metrics.md §1):
   slot, blocked); ``num_requests_kv_fetch_by_stage`` (0.33) exists only where the KV connector
   consumes KV (a PD decode instance, or a kv_both connector), so it is the role where no local
   KV tier (offloading, LMCache) is configured;
+- lengths per finished request: ``request_prompt_tokens`` / ``request_generation_tokens``
+  histograms (1-2-5 buckets up to max_model_len);
 - recompute: ``request_num_preemptions`` histogram (0.30+, per finished request) and
   ``admission_rejections_total{reason}`` (0.33, no ``engine`` label: server-wide);
 - L2: native CPU offloading exports traffic (``kv_offload_{load,store}_bytes``; 
@@ -68,6 +70,8 @@ WANTED = SIGNATURE + (
     P + "num_requests_waiting_by_reason",
     P + "num_requests_kv_fetch_by_stage",
     P + "request_num_preemptions",
+    P + "request_prompt_tokens",
+    P + "request_generation_tokens",
     P + "admission_rejections",
     P + "kv_offload_load_bytes",
     P + "kv_offload_store_bytes",
@@ -154,6 +158,8 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
     put_histogram(ps, "ttft", P + "time_to_first_token_seconds", expo.get(P + "time_to_first_token_seconds"), split)
     qname, qfam = first(expo, P + "request_queue_time_seconds", P + "time_in_queue_requests")
     put_histogram(ps, "queue_time", qname, qfam, split)
+    put_histogram(ps, "prompt_lengths", P + "request_prompt_tokens", expo.get(P + "request_prompt_tokens"), split)
+    put_histogram(ps, "output_lengths", P + "request_generation_tokens", expo.get(P + "request_generation_tokens"), split)
     ps.check_parts()
     return ps
 

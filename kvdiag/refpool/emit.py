@@ -32,9 +32,33 @@ VLLM_V0_TTFT_BUCKETS = VLLM_TTFT_BUCKETS[:16]  # V0 0.6/0.7 stopped at 10 s
 VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 VLLM_V0_LATENCY_BUCKETS = VLLM_LATENCY_BUCKETS[:15]  # V0 0.6/0.7 stopped at 60 s
 
+#: SGLang's token-length buckets (metrics_collector.py@0.5.23 ``default_bucket_prompt_tokens``),
+#: used by its prompt, uncached-prompt and generation histograms alike.
+SGLANG_LENGTH_BUCKETS = (
+    100.0, 300.0, 500.0, 700.0, 1000.0, 1500.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 7000.0, 8000.0, 9000.0,
+    10000.0, 12500.0, 15000.0, 17500.0, 20000.0, 22500.0, 25000.0, 27500.0, 30000.0, 35000.0, 40000.0, 60000.0,
+    80000.0, 100000.0, 200000.0, 300000.0, 400000.0, 600000.0, 800000.0, 1000000.0, 1100000.0,
+)  # fmt: skip
+
+
+def vllm_length_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's ``request_tokens`` family: the 1-2-5 series up to ``max_model_len``
+    (buckets.py ``build_1_2_5_buckets``@0.33.0), so its bounds move with the model's length."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
 _ALL_BOUNDS = tuple(
     sorted(set(SGLANG_TTFT_BUCKETS + SGLANG_QUEUE_BUCKETS + VLLM_TTFT_BUCKETS + VLLM_LATENCY_BUCKETS))
 )
+#: Every bound a length histogram can have: SGLang's list and vLLM's series for any model length.
+_LENGTH_BOUNDS = tuple(sorted(set(SGLANG_LENGTH_BUCKETS + vllm_length_buckets(10**9))))
 
 #: Dialects each engine can be rendered in, newest first.
 SGLANG_DIALECTS = ("0.5.23", "0.5.9", "0.5.3", "0.4.10")
@@ -42,29 +66,45 @@ VLLM_DIALECTS = ("0.33.0", "0.10", "0.8", "0.6")
 
 
 @dataclass
-class Latency:
-    """Observations binned on the union of every engine's bounds, so a cumulative count at any
+class Binned:
+    """Observations binned on the union of every engine's bounds for one quantity (``union``:
+    latencies by default, ``_LENGTH_BOUNDS`` for token lengths), so a cumulative count at any
     engine bound is exact whichever dialect renders it."""
 
-    counts: list[int] = field(default_factory=lambda: [0] * (len(_ALL_BOUNDS) + 1))
+    union: tuple[float, ...] = _ALL_BOUNDS
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
     n: int = 0
 
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.union) + 1)
+
     def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(_ALL_BOUNDS, v)] += 1
+        self.counts[bisect.bisect_left(self.union, v)] += 1
         self.total += v
         self.n += 1
+
+    def add(self, other: Binned) -> None:
+        """Fold in another instance's observations of the same quantity (a server's total)."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.total += other.total
+        self.n += other.n
 
     def cumulative(self, bounds: tuple[float, ...]) -> list[int]:
         """Cumulative counts at each of ``bounds`` (all in the union) and at +Inf."""
         out, acc, i = [], 0, 0
         for b in bounds:
-            j = _ALL_BOUNDS.index(b) + 1
+            j = self.union.index(b) + 1
             acc += sum(self.counts[i:j])
             i = j
             out.append(acc)
         out.append(self.n)
         return out
+
+
+def _lengths() -> Binned:
+    return Binned(_LENGTH_BOUNDS)
 
 
 @dataclass
@@ -125,9 +165,22 @@ class EngineState:
     # KV connector lookups (vLLM external_prefix_cache_*): tokens asked of it, tokens it had.
     external_query_tokens_total: int = 0
     external_hit_tokens_total: int = 0
-    ttft: Latency = field(default_factory=Latency)
-    queue_time: Latency = field(default_factory=Latency)
+    ttft: Binned = field(default_factory=Binned)
+    queue_time: Binned = field(default_factory=Binned)
+    # Tokens per finished request, observed when it finishes (vLLM's request_prompt_tokens /
+    # request_generation_tokens, SGLang's prompt / uncached prompt / generation histograms).
+    prompt_lengths: Binned = field(default_factory=_lengths)
+    uncached_prompt_lengths: Binned = field(default_factory=_lengths)
+    output_lengths: Binned = field(default_factory=_lengths)
+    max_model_len: int = 32768  # vLLM's length buckets run up to it (the reference scheduler's default)
     created: float = 1_795_952_340.0  # process start, for _created series
+
+    def observe_finished(self, prompt: int, output: int, cached: int) -> None:
+        """A request finished with ``prompt`` tokens (``cached`` of them prefix hits) and
+        ``output`` generated: the length histograms observe it, as both engines do at finish."""
+        self.prompt_lengths.observe(prompt)
+        self.uncached_prompt_lengths.observe(prompt - cached)
+        self.output_lengths.observe(output)
 
     @property
     def available_tokens(self) -> int:
@@ -186,7 +239,7 @@ class _Writer:
             for labels, _, created in series:
                 self._sample(name + "_created", labels, created)
 
-    def histogram(self, name: str, help_text: str, bounds: tuple[float, ...], series: list[tuple[dict[str, str], Latency, float]]) -> None:
+    def histogram(self, name: str, help_text: str, bounds: tuple[float, ...], series: list[tuple[dict[str, str], Binned, float]]) -> None:
         if not series:
             return
         self._head(name, "histogram", help_text)
@@ -449,10 +502,19 @@ def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...],
         P + "time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",
         SGLANG_TTFT_BUCKETS,
-        [(labels, total.ttft if share else Latency(), total.created) for labels, share in parts],
+        [(labels, total.ttft if share else Binned(), total.created) for labels, share in parts],
     )
     w.counter(P + "prompt_tokens", "Number of prefill tokens processed.", series(lambda s: s.prompt_tokens_total))
     w.counter(P + "generation_tokens", "Number of generation tokens processed.", series(lambda s: s.generation_tokens_total))
+    if v >= (0, 5, 23) and total.prompt_lengths.n:
+        # Written for 0.5.23, the release the facts read; the multiprocess registry has no series
+        # before the first finished request. Labels: the collector's own, no is_streaming.
+        for name, help_text, lengths in (
+            ("prompt_tokens_histogram", "Histogram of prompt token length.", total.prompt_lengths),
+            ("uncached_prompt_tokens_histogram", "Histogram of uncached (compute) prompt token length.", total.uncached_prompt_lengths),
+            ("generation_tokens_histogram", "Histogram of generation token length.", total.output_lengths),
+        ):
+            w.histogram(P + name, help_text, SGLANG_LENGTH_BUCKETS, [(base, lengths, total.created)])
     if v >= (0, 5, 10):
         cached = [({**base, "cache_source": "device"}, total.prefix_hit_tokens_total, total.created)]
         if total.l2_capacity_tokens is not None:
@@ -461,6 +523,10 @@ def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...],
         cached = [(base, total.prefix_hit_tokens_total, total.created)]
     w.counter(P + "cached_tokens", "Number of cached prompt tokens by source (device/host/storage).", cached)
     w.counter(P + "num_requests", "Number of requests processed.", series(lambda s: s.requests_total))
+
+
+#: EngineState's histograms, which a server's tokenizer process sees summed over its engines.
+BINNED_FIELDS = ("ttft", "queue_time", "prompt_lengths", "uncached_prompt_lengths", "output_lengths")
 
 
 def _sum_states(states: list[EngineState]) -> EngineState:
@@ -479,10 +545,8 @@ def _sum_states(states: list[EngineState]) -> EngineState:
         out.kv_bytes_per_token_per_rank = s.kv_bytes_per_token_per_rank
         if s.l2_capacity_tokens is not None:
             out.l2_capacity_tokens = (out.l2_capacity_tokens or 0) + s.l2_capacity_tokens
-        for src, dst in ((s.ttft, out.ttft), (s.queue_time, out.queue_time)):
-            dst.counts = [a + b for a, b in zip(dst.counts, src.counts)]
-            dst.total += src.total
-            dst.n += src.n
+        for name in BINNED_FIELDS:
+            getattr(out, name).add(getattr(s, name))
     return out
 
 
@@ -573,6 +637,13 @@ def _vllm(
         "Count of successfully processed requests.",
         [({**labels(i), "finished_reason": r}, s.requests_total if r == "stop" else 0, s.created) for i, s in enumerate(states) for r in ("stop", "length")],
     )
+    if v >= (0, 33):
+        # Registered per engine at start (written for 0.33.0, the release the facts read).
+        lengths = vllm_length_buckets(states[0].max_model_len)
+        w.histogram(P + "request_prompt_tokens", "Number of prefill tokens processed.", lengths,
+                    [(labels(i), s.prompt_lengths, s.created) for i, s in enumerate(states)])
+        w.histogram(P + "request_generation_tokens", "Number of generation tokens processed.", lengths,
+                    [(labels(i), s.output_lengths, s.created) for i, s in enumerate(states)])
     ttft_bounds = VLLM_V0_TTFT_BUCKETS if v0 else VLLM_TTFT_BUCKETS
     lat_bounds = VLLM_V0_LATENCY_BUCKETS if v0 else VLLM_LATENCY_BUCKETS
     w.histogram(P + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft_bounds, [(labels(i), s.ttft, s.created) for i, s in enumerate(states)])

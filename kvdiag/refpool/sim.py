@@ -196,6 +196,7 @@ class VLLMMetrics:
             capacity_tokens=(st.num_gpu_blocks - 1) * bs,
             block_size=bs,
             l2_capacity_tokens=st.cpu_offload_total_blocks * bs if st.cpu_offload_total_blocks else None,
+            max_model_len=getattr(scheduler, "max_model_len", EngineState.max_model_len),  # a PD wrapper: the default
             created=created,
         )
 
@@ -365,6 +366,8 @@ class Simulation:
             self._unscheduled.discard(r)  # aborted before it ever ran
             self._no_token.discard(r)
             self.records.append(RequestRecord.of(r))
+            if r.first_token is not None:  # one aborted at the door is no finished request to either reference engine
+                self.metrics.state.observe_finished(len(r.prompt), len(r.output), r.device_hit_tokens + r.host_hit_tokens)
         truth = self.metrics.on_step()
         if self.record_steps:
             self._log(plan, start, dt, new_tokens, prefill, truth)

@@ -6,9 +6,11 @@ What the series give, and what becomes of it:
   increase) plus the change in requests in the engine (running + waiting), bucketed and replayed
   as Poisson arrivals at each bucket's rate (``StepRate``); the requests in flight at the
   window's first sample arrive in the scrape interval before it (``Fit.scenario``);
-* **lengths**: prompt and generated tokens per finished request (the token counters over the
-  request counter). The adapters expose no length histograms, so only the means are read; the
-  spread is assumed (log-normal, the catalogue's chat load's sigmas) and said so;
+* **lengths**: prompt and generated tokens per finished request, each a log-normal fitted to the
+  engine's length histogram over the window (``lengths.from_histogram``: its mean, the sigma its
+  bucket counts make most likely, capped at its highest non-empty bucket); where a window has no
+  such histogram, from the means (the token counters over the request counter) with the spread
+  assumed (the catalogue's chat load's sigmas), and the knobs say which;
 * **prefix sharing**: the window's hit ratio (hit tokens over queried, or over prompt tokens)
   becomes the share of each prompt that is one of a few system prompts (how many is assumed);
 * **the pool**: its capacity in tokens and block size as reported; the model from the
@@ -23,22 +25,26 @@ traced to what was guessed. ``FitError`` says which series are missing when a fi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
 from kvdiag import capacity
+from kvdiag.model import hit_ratio
 from kvdiag.refpool.scenarios import Scenario
-from kvdiag.refpool.workload import Fixed, LengthDist, LogNormal, SharedPrefix, Workload
+from kvdiag.refpool.workload import SharedPrefix, Workload
+from kvdiag.whatif import lengths
 from kvdiag.whatif.deployment import Sized
-from kvdiag.window import Window, counter_step
+from kvdiag.whatif.lengths import LengthFit
+from kvdiag.window import Window, counter_steps
 
-#: Assumed spread of prompt and output lengths (log-normal sigma): the catalogue's chat load.
+#: Assumed spread of prompt and output lengths (log-normal sigma) where no length histogram is
+#: read: the catalogue's chat load.
 PROMPT_SIGMA = 0.4
 OUTPUT_SIGMA = 0.5
-#: Assumed longest request, as a multiple of the median length (the chat load's clip).
+#: Assumed longest request, as a multiple of the median length (the chat load's clip), where no
+#: histogram bounds it.
 LENGTH_CLIP = 4.0
 #: Assumed number of distinct shared prefixes (system prompts) behind the hit ratio.
 PREFIX_GROUPS = 4
@@ -112,8 +118,8 @@ class Fit:
     duration: float
     interval: float  # median scrape interval
     arrivals: StepRate
-    prompt_tokens: float  # mean per finished request
-    output_tokens: float
+    prompt: LengthFit  # per finished request
+    output: LengthFit
     hit_ratio: float | None
     pool_tokens: int
     max_running: int | None
@@ -127,14 +133,22 @@ class Fit:
         return self.arrivals.total / self.arrivals.edges[-1]
 
     @property
+    def prompt_tokens(self) -> float:
+        """Mean prompt tokens per finished request."""
+        return self.prompt.mean
+
+    @property
+    def output_tokens(self) -> float:
+        return self.output.mean
+
+    @property
     def assumed(self) -> list[Knob]:
         return [k for k in self.knobs if k.basis == "assumed"]
 
     def workload(self, seed: int = 0) -> Workload:
         share = self.hit_ratio or 0.0
         prefix = SharedPrefix(PREFIX_GROUPS, min(share, 0.98)) if share >= MIN_SHARE else None
-        return Workload(self.arrivals, _lengths(self.prompt_tokens, PROMPT_SIGMA), _lengths(self.output_tokens, OUTPUT_SIGMA),
-                        prefix=prefix, seed=seed)  # fmt: skip
+        return Workload(self.arrivals, self.prompt.dist, self.output.dist, prefix=prefix, seed=seed)
 
     def scenario(self, seed: int = 0) -> Scenario:
         """The replay: simulated t = 0 is one scrape interval before the window's first sample
@@ -155,19 +169,14 @@ class Fit:
             "peak_rate": round(max(self.arrivals.rates, default=0.0), 3),
             "prompt_tokens": round(self.prompt_tokens, 1),
             "output_tokens": round(self.output_tokens, 1),
+            "prompt_lengths": self.prompt.as_json(),
+            "output_lengths": self.output.as_json(),
             "hit_ratio": self.hit_ratio,
             "pool_tokens": self.pool_tokens,
             "max_running": self.max_running,
             "l2_ratio": self.l2_ratio,
             "knobs": [{"name": k.name, "value": k.value, "basis": k.basis, "note": k.note} for k in self.knobs],
         }
-
-
-def _lengths(mean: float, sigma: float) -> LengthDist:
-    if mean < 4:
-        return Fixed(max(1, round(mean)))
-    median = mean / math.exp(sigma**2 / 2)  # LogNormal's mean is median * exp(sigma^2 / 2)
-    return LogNormal(median, sigma, lo=1, hi=max(2, round(LENGTH_CLIP * median)))
 
 
 def fit(window: Window) -> Fit:
@@ -177,16 +186,18 @@ def fit(window: Window) -> Fit:
         raise FitError(f"{window.instance}: needs a window of at least 2 samples (got {len(window)}); "
                        "give a recording, --prometheus, or sample URLs with --duration")  # fmt: skip
     last = window.last
-    missing = [f for f in ("capacity_tokens", "requests_total", "prompt_tokens_total", "generation_tokens_total")
-               if not window.has(f)]  # fmt: skip
+    read = {hist: _read(window, hist) for hist, _ in LENGTHS}
+    missing = [f for f in ("capacity_tokens", "requests_total") if not window.has(f)]
+    missing += [counter for hist, counter in LENGTHS if read[hist] is None and not window.has(counter)]
     if missing:
         raise FitError(f"{window.instance}: {', '.join(missing)} not reported; a workload cannot be fitted without them")
     requests = window.increase("requests_total") or 0.0
     if requests <= 0:
         raise FitError(f"{window.instance}: no request finished in the window (requests_total did not grow): lengths cannot be fitted")
-    prompt = (window.increase("prompt_tokens_total") or 0.0) / requests
-    output = (window.increase("generation_tokens_total") or 0.0) / requests
-    if output <= 0:
+    (prompt, prompt_knob), (output, output_knob) = (
+        _length(window, hist, counter, read[hist], requests, sigma) for (hist, counter), sigma in zip(LENGTHS, (PROMPT_SIGMA, OUTPUT_SIGMA))
+    )
+    if output.mean <= 0:
         raise FitError(f"{window.instance}: generation_tokens_total did not grow while {requests:g} requests finished")
     ts = window.column("ts")
     duration = float(ts[-1] - ts[0])
@@ -204,10 +215,7 @@ def fit(window: Window) -> Fit:
     knobs.append(Knob("prefix sharing", "none" if not hit or hit < MIN_SHARE else f"{hit:.2f} of each prompt", "read" if hit is not None else "assumed", hit_basis))
     if hit is not None and hit >= MIN_SHARE:
         knobs.append(Knob("prefix groups", str(PREFIX_GROUPS), "assumed", "the series give the hit ratio, not how many prompts share it"))
-    knobs.append(Knob("lengths", f"prompt {prompt:,.0f}, output {output:,.0f} tokens per request", "read",
-                      "token counters per finished request (means)"))  # fmt: skip
-    knobs.append(Knob("length spread", f"log-normal sigma {PROMPT_SIGMA} / {OUTPUT_SIGMA}, clipped at {LENGTH_CLIP:g}x the median",
-                      "assumed", "no length histograms are read"))  # fmt: skip
+    knobs += [prompt_knob, output_knob]
     knobs.append(Knob("max_new_tokens", "the output length", "assumed", "what clients ask for is not in the series"))
     cap, cap_note = _admission_cap(window)
     knobs.append(Knob("admission cap", str(cap) if cap else "engine default", "inferred" if cap else "assumed", cap_note))
@@ -221,6 +229,32 @@ def fit(window: Window) -> Fit:
                pool, cap, l2, deployment, tuple(knobs))  # fmt: skip
 
 
+#: (length histogram, token counter) of the prompt and of the output, per finished request.
+LENGTHS = (("prompt_lengths", "prompt_tokens_total"), ("output_lengths", "generation_tokens_total"))
+
+
+def _read(window: Window, hist: str) -> LengthFit | None:
+    """The length distribution the window's histogram gives (None: no histogram, or too few
+    requests in it to show a spread)."""
+    h = window.histogram_increase(hist)
+    return lengths.from_histogram(h, LENGTH_CLIP) if h is not None else None
+
+
+def _length(window: Window, hist: str, counter: str, read: LengthFit | None, requests: float, sigma: float) -> tuple[LengthFit, Knob]:
+    """One length distribution and its knob: ``read`` from the histogram, else from the mean."""
+    what = "prompt" if hist == "prompt_lengths" else "output"
+    h = window.histogram_increase(hist)
+    if h is not None and read is not None:
+        return read, Knob(f"{what} lengths", read.describe(), "read",
+                          f"{_source(window, hist)}: {h.count:,.0f} requests in the window")  # fmt: skip
+    mean = (window.increase(counter) or 0.0) / requests
+    fitted = lengths.from_mean(mean, sigma, LENGTH_CLIP)
+    why = f"{h.count:,.0f} requests in the length histogram, too few" if h is not None else "no length histogram in the window"
+    return fitted, Knob(f"{what} lengths", f"from the means: {fitted.describe()}", "assumed",
+                        f"{why}: {_source(window, counter)} per finished request; the sigma "
+                        f"and a cap at {LENGTH_CLIP:g}x the median assumed")  # fmt: skip
+
+
 def _source(window: Window, name: str) -> str:
     _, prov = window.provenance(name)
     return prov.describe() if prov is not None else ""
@@ -228,7 +262,7 @@ def _source(window: Window, name: str) -> str:
 
 def _arrivals(window: Window, interval: float) -> StepRate:
     ts = window.column("ts")
-    finished = _steps(window.column("requests_total"))
+    finished = np.nan_to_num(counter_steps(window.column("requests_total"), bridge=True)[1:])
     inflight = np.nan_to_num(window.column("running")) + np.nan_to_num(window.column("waiting"))
     per_interval = np.maximum(0.0, finished + np.diff(inflight))
     width = max(interval, MIN_BUCKET_S, float(ts[-1] - ts[0]) / MAX_BUCKETS)
@@ -244,31 +278,18 @@ def _arrivals(window: Window, interval: float) -> StepRate:
     return StepRate(tuple(edges), tuple(rates))
 
 
-def _steps(values: np.ndarray) -> np.ndarray:
-    """Each interval's reset-safe increase of a counter column (0 across absent samples)."""
-    out = np.zeros(max(0, len(values) - 1))
-    prev: float | None = None
-    for i, v in enumerate(values):
-        if math.isnan(v):
-            continue
-        step = counter_step(prev, float(v))
-        if prev is not None and step is not None:
-            out[i - 1] = step
-        if step is not None:
-            prev = float(v)
-    return out
-
-
 def _hit_ratio(window: Window) -> tuple[float | None, str]:
+    """The window's hit ratio (``model.hit_ratio``) from the counters' increases: over the
+    queried tokens, else over the prompt tokens, else the gauge's mean."""
     hits = window.increase("prefix_hit_tokens_total")
-    queries = window.increase("prefix_query_tokens_total")
-    if hits is not None and queries:
-        return min(1.0, hits / queries), "prefix hit tokens over queried tokens"
-    prompt = window.increase("prompt_tokens_total")
-    if hits is not None and prompt:
-        return min(1.0, hits / prompt), "prefix hit tokens over prompt tokens"
-    if window.has("prefix_hit_ratio_gauge"):
-        return float(np.nanmean(window.column("prefix_hit_ratio_gauge"))), "the engine's hit-rate gauge (mean)"
+    for whole, basis in (("prefix_query_tokens_total", "prefix hit tokens over queried tokens"),
+                         ("prompt_tokens_total", "prefix hit tokens over prompt tokens")):  # fmt: skip
+        ratio = hit_ratio(hits, window.increase(whole), None)
+        if ratio is not None:
+            return min(1.0, ratio), basis
+    gauge = float(np.nanmean(window.column("prefix_hit_ratio_gauge"))) if window.has("prefix_hit_ratio_gauge") else None
+    if gauge is not None:
+        return gauge, "the engine's hit-rate gauge (mean)"
     return None, "no prefix-cache series: replayed without sharing"
 
 

@@ -31,8 +31,59 @@ def test_fit_reads_the_load_the_scenario_ran() -> None:
     knobs = {k.name: k for k in f.knobs}
     assert (knobs["TP"].value, knobs["TP"].basis, knobs["memory fraction"].value) == ("2", "inferred", "0.9")
     assert knobs["model"].basis == "read" and knobs["GPU"].basis == "assumed"
-    assert {k.name for k in f.assumed} >= {"GPU", "KV dtype", "length spread", "admission cap"}
+    assert {k.name for k in f.assumed} >= {"GPU", "KV dtype", "admission cap"}
+    assert knobs["prompt lengths"].basis == knobs["output lengths"].basis == "read"  # the length histograms
     assert f.scenario().deployment.pool_tokens == f.pool_tokens  # the calibration replays the reported pool exactly
+
+
+#: How close the fit comes to the scenario's own log-normal from ~600 requests in coarse buckets
+#: (SGLang's 100 / 300 / 500 / 700 / 1000 / 1500 ..., vLLM's 1-2-5 series): the median within
+#: 10 %, sigma within 0.1.
+MEDIAN_TOLERANCE, SIGMA_TOLERANCE = 0.10, 0.1
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_the_fit_recovers_each_length_distribution_from_its_histogram(engine: str) -> None:
+    """noisy-healthy's prompts are LogNormal(300, 0.5), its answers LogNormal(80, 0.5): read back
+    from the emitted length histograms, each capped at the highest bucket that holds a request."""
+    w, run = story("noisy-healthy", engine, 120.0)
+    f = fit(w)
+    load = SCENARIOS["noisy-healthy"].workloads[0]
+    h = {name: w.histogram_increase(name) for name in ("prompt_lengths", "output_lengths")}
+    for got, truth, name, longest in ((f.prompt, load.input_len, "prompt_lengths", "prompt_tokens"),
+                                      (f.output, load.output_len, "output_lengths", "output_tokens")):  # fmt: skip
+        assert abs(got.median - truth.median) / truth.median < MEDIAN_TOLERANCE, (name, got)
+        assert abs(got.sigma - truth.sigma) < SIGMA_TOLERANCE, (name, got)
+        assert got.mean == pytest.approx(h[name].sum / h[name].count)  # the mean is the histogram's own
+        seen = max(getattr(r, longest) for r in run.sims[0].records if r.finished is not None and r.finished > 5.0)
+        assert got.hi == min(b for b in h[name].bounds if b >= seen)  # the bucket holding the longest request
+        assert (f.workload().input_len if name == "prompt_lengths" else f.workload().output_len) == got.dist
+    knobs = {k.name: k for k in f.knobs}
+    metric = {"sglang": "sglang:prompt_tokens_histogram", "vllm": "vllm:request_prompt_tokens"}[engine]
+    assert knobs["prompt lengths"].basis == "read" and knobs["prompt lengths"].note.startswith(metric)
+    assert not any(k.value.startswith("from the means") for k in f.knobs)
+
+
+def test_a_window_without_length_histograms_fits_the_means_and_says_so() -> None:
+    """The same window with the histograms gone (an older release): the counters' means, the
+    spread assumed, and the knobs say so."""
+    from kvdiag.whatif.fit import LENGTH_CLIP, OUTPUT_SIGMA, PROMPT_SIGMA
+
+    w, _ = story("noisy-healthy", "vllm", 120.0)
+    strip = ("prompt_lengths", "output_lengths")
+    bare = Window(w.instance, [replace(s, prompt_lengths=None, output_lengths=None,
+                                       provenance={k: v for k, v in s.provenance.items() if k not in strip}) for s in w.samples])  # fmt: skip
+    f, read = fit(bare), fit(w)
+    requests = bare.increase("requests_total")
+    assert f.prompt.mean == pytest.approx(bare.increase("prompt_tokens_total") / requests)
+    assert (f.prompt.sigma, f.output.sigma) == (PROMPT_SIGMA, OUTPUT_SIGMA)
+    assert f.prompt.hi == round(LENGTH_CLIP * f.prompt.median)
+    knobs = {k.name: k for k in f.knobs}
+    for name in ("prompt lengths", "output lengths"):
+        assert knobs[name].basis == "assumed" and knobs[name].value.startswith("from the means: log-normal")
+        assert "no length histogram in the window" in knobs[name].note
+        assert name in {k.name for k in f.assumed}
+    assert f.prompt != read.prompt and f.hit_ratio == read.hit_ratio  # only the lengths changed
 
 
 def test_a_pinned_running_count_is_the_admission_cap() -> None:
