@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 
 import numpy as np
 
@@ -48,6 +49,7 @@ from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest,
 
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
+_RESERVE_LEFT = operator.attrgetter("reserve_left")  # read over the running batch per prefill
 
 
 def default_max_running_requests(max_total_num_tokens: int, context_len: int) -> int:
@@ -572,7 +574,7 @@ class SGLangScheduler:
         """``PrefillAdder``'s reservation for the running batch's remaining output, in batch mode
         (each request's outputs not appended yet count as generated)."""
         batch = self.running_batch
-        remaining = np.fromiter((r.reserve_left for r in batch), np.int64, len(batch)) - self.forward_ct_decode
+        remaining = np.fromiter(map(_RESERVE_LEFT, batch), np.int64, len(batch)) - self.forward_ct_decode
         in_full = [r.sim.ignore_eos for r in batch] if self._in_full else np.zeros(len(batch), dtype=bool)
         return running_output_offset(remaining, in_full, self.ratio.current)
 
