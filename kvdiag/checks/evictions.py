@@ -25,8 +25,6 @@ range's edges), so the rule ``instance:kvdiag_evictions:rate1m * 60 >= 1 or (ins
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvdiag.checks import stats
 from kvdiag.checks.admission import admission_usage
 from kvdiag.checks.base import absent, needs_window, result, since, span, too_short
@@ -53,9 +51,9 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         return absent(NAME, window, ("evictions_total",), why)
     if too_short(ts, config):
         return needs_window(NAME, ts, config, {"evictions_total": float(total[-1])})
-    increase = _increase(ts, total, window.end, config.window)
+    increase = stats.rise(ts, total, window.end, config.window)
     short = stats.select(ts, window.end, config.evictions_recent_window)
-    recent = _increase(ts[short], total[short], window.end, config.evictions_recent_window)
+    recent = stats.rise(ts[short], total[short], window.end, config.evictions_recent_window)
     held = _held_usage(window, config)
     resets = count_resets(total)
     minutes = (ts[-1] - ts[0]) / 60.0
@@ -99,13 +97,6 @@ def _held_usage(window: Window, config: Config) -> float | None:
     adm = admission_usage(window, config)
     short = stats.select(adm.ts, window.end, config.evictions_recent_window)
     return float(adm.usage[short].min()) + adm.need_ratio if short.any() else None
-
-
-def _increase(ts: np.ndarray, total: np.ndarray, end: float, seconds: float) -> float:
-    """``rate(total[seconds]) * seconds`` at ``end``, as PromQL extrapolates it (0 where PromQL
-    has no rate: fewer than two samples in the range, i.e. nothing rose there)."""
-    rate = stats.rate(ts, total, end, seconds)
-    return 0.0 if rate is None else rate * seconds
 
 
 def recompute_cost(window: Window, config: Config) -> dict[str, float | None]:

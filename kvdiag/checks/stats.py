@@ -59,6 +59,14 @@ def rate(ts: np.ndarray, values: np.ndarray, t: float, seconds: float) -> float 
     return _extrapolated(ts, values, t, seconds, is_rate=True)
 
 
+def rise(ts: np.ndarray, values: np.ndarray, t: float, seconds: float) -> float:
+    """``rate(x[seconds]) * seconds`` at ``t``: a counter's rise as the rules compare it with a
+    count (a recorded rate times its range, which may differ from ``increase`` in the last bit),
+    0 where PromQL has no rate (fewer than two samples in the range: nothing rose there)."""
+    r = rate(ts, values, t, seconds)
+    return 0.0 if r is None else r * seconds
+
+
 def _extrapolated(ts: np.ndarray, values: np.ndarray, t: float, seconds: float, is_rate: bool) -> float | None:
     if len(values) < 2:
         return None

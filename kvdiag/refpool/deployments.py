@@ -364,7 +364,8 @@ class LMCacheTier:
         return LMCacheWorker(inner, roofline.kv_bytes_per_token)
 
     def metrics(self, engine: str) -> MetricsFactory:
-        return lambda sched, created: LMCacheMetrics(sched, created)  # type: ignore[arg-type]
+        """vLLM's hook, with the connector's lookups as its external prefix-cache counters."""
+        return lambda sched, created: CounterMetrics(VLLMMetrics(sched, created), _external)  # type: ignore[arg-type]
 
     def step_time(self, base: Callable[[StepPlan], float]) -> Callable[[StepPlan], float]:
         return base
@@ -422,22 +423,6 @@ class LMCacheWorker(_Wrapped):
 
 def _ratio(a: int, b: int) -> float:
     return a / b if b else 0.0
-
-
-class LMCacheMetrics:
-    """vLLM's hook, with the connector's lookups as its external prefix-cache counters."""
-
-    engine = "vllm"
-
-    def __init__(self, sched: LMCacheWorker, created: float) -> None:
-        self.sched = sched
-        self.base = VLLMMetrics(sched, created)  # type: ignore[arg-type]
-        self.state = self.base.state
-
-    def on_step(self) -> PoolTruth:
-        truth = self.base.on_step()
-        _external(self.state, self.sched.stats())
-        return truth
 
 
 def _external(state: EngineState, st: object) -> None:

@@ -58,7 +58,6 @@ whose window the checklist judged ``l1_kv_bottleneck`` or ``l1_kv_pressure``.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -69,7 +68,8 @@ from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import PoolSample
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS, Scenario, ScenarioRun
-from kvdiag.refpool.sim import EPOCH, Simulation, tune_gc
+from kvdiag.refpool.sim import EPOCH, Simulation
+from kvdiag.refpool.workers import in_workers
 from kvdiag.window import Window
 
 L1_VERDICTS = ("l1_kv_bottleneck", "l1_kv_pressure")
@@ -405,9 +405,9 @@ def score_run(run: ScenarioRun, config: Config, interval: float = 5.0) -> list[R
     return results
 
 
-def _job(args: tuple[Scenario, str, Config, float]) -> list[Result]:
-    tune_gc()
-    return run_one(*args)
+def _job(args: tuple[Scenario, str, Config, float]) -> tuple[str, str, list[Result]]:
+    """``run_one`` in a worker, named by its scenario and engine for the progress callback."""
+    return args[0].name, args[1], run_one(*args)
 
 
 def validate(
@@ -423,18 +423,10 @@ def validate(
     called as each finishes. Results keep the catalogue's order whatever finishes first."""
     config = config or Config()
     work = [(sc, engine, config, interval) for sc in (scenarios or SCENARIOS.values()) for engine in engines if engine in sc.engines]
-    done: dict[int, list[Result]] = {}
-    if jobs <= 1:
-        for k, item in enumerate(work):
-            done[k] = run_one(*item)
-            if progress is not None:
-                progress(item[0].name, item[1], done[k])
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_job, item): k for k, item in enumerate(work)}
-            for fut in as_completed(futures):
-                k = futures[fut]
-                done[k] = fut.result()
-                if progress is not None:
-                    progress(work[k][0].name, work[k][1], done[k])
-    return Report([r for k in range(len(work)) for r in done[k]])
+
+    def tick(named: tuple[str, str, list[Result]]) -> None:
+        if progress is not None:
+            progress(*named)
+
+    done = in_workers(_job, work, jobs, tick)
+    return Report([r for _, _, results in done for r in results])

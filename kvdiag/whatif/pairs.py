@@ -24,11 +24,12 @@ from rich.table import Table
 
 from kvdiag.config import Config
 from kvdiag.refpool.scenarios import Scenario, get
+from kvdiag.refpool.workers import in_workers
 from kvdiag.report.terminal import Fitted
 from kvdiag.whatif.compare import FLOORS, TOLERANCE, Errors, errors
 from kvdiag.whatif.fit import fit
 from kvdiag.whatif.levers import Lever
-from kvdiag.whatif.replay import Outcome, emitted, in_workers, measure, replay
+from kvdiag.whatif.replay import Outcome, emitted, measure, replay
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ how they were read. Replays are independent and go to worker processes, one per 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -23,14 +22,12 @@ from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import PoolSample
 from kvdiag.refpool.scenarios import Scenario, ScenarioRun
-from kvdiag.refpool.sim import tune_gc
+from kvdiag.refpool.workers import in_workers
 from kvdiag.whatif.levers import Lever
 from kvdiag.whatif.scale import scaled
 from kvdiag.window import Window, bucket_quantile
 
 CALIBRATION = "calibration"
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -150,27 +147,6 @@ def _run(job: Job) -> Run:
         return Run(job.key, job.lever, outcome, "", time.perf_counter() - t0, job.scale)
     except Exception as exc:  # noqa: BLE001 (one remedy's failure is its row, never the others')
         return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, job.scale)
-
-
-def in_workers(fn: Callable[[T], R], items: Sequence[T], workers: int = 1, progress: Callable[[R], None] | None = None) -> list[R]:
-    """``fn`` over ``items``, ``workers`` at a time in worker processes (a module-level ``fn``;
-    each worker collects garbage as a simulation process should, ``tune_gc``), in this process
-    when one worker or one item; results in the order given, ``progress(result)`` as each
-    finishes."""
-    done: dict[int, R] = {}
-    if workers <= 1 or len(items) <= 1:
-        for k, item in enumerate(items):
-            done[k] = fn(item)
-            if progress is not None:
-                progress(done[k])
-    else:
-        with ProcessPoolExecutor(max_workers=min(workers, len(items)), initializer=tune_gc) as pool:
-            futures = {pool.submit(fn, item): k for k, item in enumerate(items)}
-            for fut in as_completed(futures):
-                done[futures[fut]] = fut.result()
-                if progress is not None:
-                    progress(done[futures[fut]])
-    return [done[k] for k in range(len(items))]
 
 
 def replay_all(jobs: Sequence[Job], workers: int = 1, progress: Callable[[Run], None] | None = None) -> list[Run]:

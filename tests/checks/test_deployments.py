@@ -12,13 +12,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
 from types import SimpleNamespace
 from pathlib import Path
 from typing import Callable
 
 import pytest
-import yaml
 
 from kvdiag import cli
 from kvdiag.checks import diagnose
@@ -26,14 +24,12 @@ from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import Scrape
 from kvdiag.refpool.sim import EPOCH
-from kvdiag.render import RULES_ALERTS, RULES_RECORDING
 from kvdiag.server.ring import Ring
 from kvdiag.sources.recording import write_recording
 from kvdiag.window import windows
 from tests import dialects
-from tests.mixin.conftest import ROOT, need
+from tests.mixin.rule_tests import run_rule_tests
 from tests.mixin.test_differential import INTERVAL, _group
-from tests.mixin.test_promtool import _without_annotations
 
 STEPS = 21  # five minutes at 15 s: the checks' window
 TARGET = "http://engine:8000"
@@ -176,21 +172,11 @@ def test_two_processes_that_wrote_09_then_03_read_as_03_with_the_used_tokens_tha
 
 def test_rules_equal_python_on_every_deployment(tmp_path: Path) -> None:
     """The committed rules give the Python checks' statuses and verdict at every 15 s step."""
-    promtool = need("promtool")
     groups = [_group(SimpleNamespace(name=story, engine=engine, dialect="0.33.0" if engine == "vllm" else "0.5.23",  # type: ignore[arg-type]
                                      bodies=tuple(s.body for s in scrapes(story))))
               for story, (engine, _) in STORIES.items()]
     assert sum(len(t["exp_samples"]) for g in groups for t in g["promql_expr_test"]) > 6 * 20 * 4  # not vacuous
-    doc = {
-        "rule_files": [str(ROOT / RULES_RECORDING), str(_without_annotations(ROOT / RULES_ALERTS, tmp_path / "alerts.yaml"))],
-        "evaluation_interval": f"{int(INTERVAL)}s",
-        "group_eval_order": ["kvdiag-normalize", "kvdiag-checks", "kvdiag-alerts"],
-        "tests": groups,
-    }
-    path = tmp_path / "deployments.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False, width=100_000))
-    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-12000:] + out.stderr[-2000:]
+    run_rule_tests(groups, tmp_path, "deployments")
 
 
 @pytest.mark.parametrize("story", ["sglang-decode", "vllm-decode", "sglang-swa", "vllm-two-writers"])

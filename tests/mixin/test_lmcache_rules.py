@@ -16,25 +16,21 @@ One promtool run over four groups of 21 scrapes and the Python checks on each (a
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
 import pytest
-import yaml
 
 from kvdiag.checks import diagnose
 from kvdiag.config import Config
 from kvdiag.engines import normalize_scrape
 from kvdiag.model import Scrape
 from kvdiag.refpool.sim import EPOCH
-from kvdiag.render import RULES_ALERTS, RULES_RECORDING
 from kvdiag.window import windows
 from tests import dialects
-from tests.mixin.conftest import ROOT, need
 from tests.mixin.test_differential import INTERVAL, input_series
-from tests.mixin.test_promtool import _without_annotations
+from tests.mixin.rule_tests import run_rule_tests
 
 STEPS = 21  # five minutes at 15 s: the checks' window
 LOOKED_UP = 100_000  # tokens vLLM looks up per scrape interval
@@ -134,14 +130,4 @@ def _group(name: str, python: dict) -> dict:
 
 
 def test_rules_read_the_same_share_and_join_as_python_does(python: dict, tmp_path: Path) -> None:
-    promtool = need("promtool")
-    doc = {
-        "rule_files": [str(ROOT / RULES_RECORDING), str(_without_annotations(ROOT / RULES_ALERTS, tmp_path / "alerts.yaml"))],
-        "evaluation_interval": f"{int(INTERVAL)}s",
-        "group_eval_order": ["kvdiag-normalize", "kvdiag-checks", "kvdiag-alerts"],
-        "tests": [_group(name, python[name]) for name in GROUPS],
-    }
-    path = tmp_path / "lmcache.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False, width=100_000))
-    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-12000:] + out.stderr[-2000:]
+    run_rule_tests([_group(name, python[name]) for name in GROUPS], tmp_path, "lmcache", timeout=300)

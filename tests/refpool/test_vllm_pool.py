@@ -182,6 +182,42 @@ def test_prefix_hit_full_blocks_only_capped_at_num_tokens_minus_one() -> None:
     assert off.get_computed_blocks(req("h", a_prompt)) == ([], 0)
 
 
+def test_repeated_lookup_is_the_walk_through_evictions_and_new_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocked head's lookup, repeated every step, is remembered (no second walk) and stays
+    exactly the walk's answer: its last hit evicted, a first copy evicted behind a second one,
+    another request looked up in between, the hash it missed on cached."""
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool)
+    walks: list[int] = []
+    walk = pool._walk
+    monkeypatch.setattr(pool, "_walk", lambda h, n: walks.append(n) or walk(h, n))
+    a, twin, head = req("a", toks(0, 64)), req("twin", toks(0, 64)), req("head", toks(0, 64))
+    kv.allocate_slots(a, 64)  # blocks 1-4, all cached
+    kv.allocate_slots(twin, 32)  # blocks 5, 6: second copies of a's first two
+    kv.free(a)  # a's blocks to the tail, last first: 7-15, 4, 3, 2, 1
+
+    def walked() -> list[int]:  # get_cached_block hash by hash, up to the cap of 63 tokens
+        hits = [pool.get_cached_block(h) for h in head.block_hashes[:3]]
+        return ids(hits[: hits.index(None)] if None in hits else hits)  # type: ignore[arg-type]
+
+    def lookup() -> list[int]:
+        return ids(kv.get_computed_blocks(head)[0])
+
+    assert lookup() == walked() == [1, 2, 3] and walks == [3]
+    assert lookup() == [1, 2, 3] and walks == [3]  # remembered
+    held = pool.get_new_blocks(10)  # 7-15 and 4 (cached, past the lookup's cap)
+    assert lookup() == walked() == [1, 2, 3] and walks == [3]
+    pool.get_new_blocks(1)  # block 3: no other copy of its hash, the walk stops there
+    assert lookup() == walked() == [1, 2] and walks == [3]
+    pool.get_new_blocks(1)  # block 2: the twin's copy comes first now
+    assert lookup() == walked() == [1, 6] and walks == [3]
+    assert ids(kv.get_computed_blocks(twin)[0]) == [1, 6] and walks == [3, 3]  # another request
+    assert lookup() == [1, 6] and walks == [3, 3, 3]
+    pool.cache_full_blocks(head, held, 0, 3, 16)  # new copies, one of the hash it missed on
+    assert lookup() == walked() == [1, 6, held[2].block_id] and walks == [3, 3, 3, 3]
+    pool.check_invariants()
+
+
 def test_blocks_are_cached_at_allocation_so_same_step_admissions_hit() -> None:
     s = VLLMScheduler(100, debug=True)
     s.add_request(sim("a", toks(0, 40)))

@@ -36,9 +36,8 @@ class KVCacheBlock:
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     is_null: bool = False
-
-    def reset_hash(self) -> None:
-        self.block_hash = None
+    # ``BlockPool``'s lookup memo holds this block while this equals the pool's ``_memo_gen``.
+    memo_gen: int = -1
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
@@ -166,6 +165,73 @@ class BlockPool:
         self.null_block.is_null = True
         # Cached blocks whose hash was dropped because the block was reused (lazy eviction).
         self.num_evicted_blocks = 0
+        # The last ``longest_cache_hit``: (owner, its hashes, how many walked, hit blocks, hash it
+        # missed on). Its blocks carry ``memo_gen == _memo_gen``.
+        self._memo: tuple[object, list[int], int, list[KVCacheBlock], int | None] | None = None
+        self._memo_gen = 0
+        self._memo_miss: int | None = None
+
+    def longest_cache_hit(self, owner: object, block_hashes: list[int], n: int) -> list[KVCacheBlock]:
+        """The cached blocks of the longest cached prefix of ``block_hashes[:n]`` (the walk of
+        ``get_cached_block`` up to the first miss, vLLM's ``find_longest_cache_hit``).
+
+        The head of a waiting queue blocked on KV is looked up again every step, as vLLM does,
+        and at a thousand running requests it was a tenth of a run. The walk's answer depends
+        only on the hashes (``owner``'s, append-only) and on two things in the map: which block
+        comes first for each hash hit (it changes only when that block is evicted: later copies
+        are appended behind it) and whether the hash it missed on is cached since. So the last
+        walk is kept, keyed by ``owner`` and ``n``; an eviction of a block it hit patches it as
+        the walk would see it (``_memo_evicted``: the hash's next copy, or the walk stops there;
+        a preempted head loses its freed tail a block at a time as the free queue is reused) and
+        caching the hash it missed on drops it: a repeated lookup returns exactly what the walk
+        would.
+        """
+        memo = self._memo
+        if memo is not None and memo[0] is owner and memo[2] == n:
+            return list(memo[3])
+        hits, miss = self._walk(block_hashes, n)
+        self._memo_gen = gen = self._memo_gen + 1
+        for blk in hits:
+            blk.memo_gen = gen
+        self._memo, self._memo_miss = (owner, block_hashes, n, hits, miss), miss
+        return list(hits)
+
+    def _memo_evicted(self, block: KVCacheBlock) -> None:
+        """``block``, flagged by the memo, has just left the map: where the walk still hits it,
+        it now finds its hash's next copy there, or stops there where none is left (the blocks
+        cut off keep a stale flag: their own eviction finds them absent and changes nothing)."""
+        assert self._memo is not None
+        owner, block_hashes, n, hits, miss = self._memo
+        try:
+            i = hits.index(block)
+        except ValueError:
+            return
+        entries = self.cached_block_hash_to_block.get(block_hashes[i])
+        if entries:
+            first = next(iter(entries.values()))
+            first.memo_gen = self._memo_gen
+            for k in range(i, len(hits)):
+                if hits[k] is block:
+                    hits[k] = first
+        else:
+            del hits[i:]  # the memo's own list: lookups return copies
+            self._memo, self._memo_miss = (owner, block_hashes, n, hits, block_hashes[i]), block_hashes[i]
+
+    def _walk(self, block_hashes: list[int], n: int) -> tuple[list[KVCacheBlock], int | None]:
+        """``get_cached_block`` along ``block_hashes[:n]`` up to the first miss: (hits, the hash
+        missed on, None where all n hit)."""
+        cached_map, hits = self.cached_block_hash_to_block, []
+        for block_hash in block_hashes[:n]:
+            cached = cached_map.get(block_hash)
+            if not cached:
+                return hits, block_hash
+            hits.append(next(iter(cached.values())))
+        return hits, None
+
+    def _drop_memo(self) -> None:
+        """Forget the last walk (the hash it missed on is cached now)."""
+        self._memo = self._memo_miss = None
+        self._memo_gen += 1
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         """The first cached block holding ``block_hash``, or None on a miss."""
@@ -201,32 +267,31 @@ class BlockPool:
             block_hash = request.block_hashes[i]
             blk.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
+            if block_hash == self._memo_miss:
+                self._drop_memo()
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` from the head of the free queue, evicting their stale hashes."""
-        if num_blocks > self.get_num_free_blocks():
+        """Pop ``num_blocks`` from the head of the free queue, evicting their stale hashes (lazy
+        eviction: a reused cached block leaves the prefix cache; ``_maybe_evict_cached_block``
+        of vLLM, inlined: it runs per block taken)."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
+        cached_map = self.cached_block_hash_to_block
         for block in ret:
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
+            block_hash = block.block_hash
+            if block_hash is not None and self.enable_caching:
+                cached = cached_map.get(block_hash)
+                if cached is not None and cached.pop(block.block_id, None) is not None:
+                    if not cached:
+                        del cached_map[block_hash]
+                    block.block_hash = None
+                    self.num_evicted_blocks += 1
+                    if block.memo_gen == self._memo_gen:
+                        self._memo_evicted(block)
             assert block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0"
             block.ref_cnt += 1
         return ret
-
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop a reused block from the prefix cache (lazy eviction); True if it was cached."""
-        block_hash = block.block_hash
-        if block_hash is None:
-            return False
-        cached = self.cached_block_hash_to_block.get(block_hash)
-        if cached is None or cached.pop(block.block_id, None) is None:
-            return False
-        if not cached:
-            del self.cached_block_hash_to_block[block_hash]
-        block.reset_hash()
-        self.num_evicted_blocks += 1
-        return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """ref_cnt++ on prefix-hit blocks, taking free (ref_cnt 0) ones out of the free queue."""
@@ -284,4 +349,8 @@ class BlockPool:
                 assert blk is self.blocks[bid] and blk.block_hash == h, f"hash map {h:#x} -> {blk}"
                 indexed.add(bid)
         assert hashed == indexed, f"blocks {sorted(hashed ^ indexed)} hashed but not indexed, or vice versa"
+        if self._memo is not None:
+            _, hashes, n, hits, miss = self._memo
+            assert self._walk(hashes, n) == (hits, miss), "the lookup memo differs from a fresh walk"
+            assert all(b.memo_gen == self._memo_gen for b in hits), "a block the memo hit is not flagged"
         assert self.enable_caching or not hashed, "blocks cached with prefix caching off"

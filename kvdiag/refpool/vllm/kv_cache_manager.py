@@ -86,12 +86,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_cache_hit_length = request.num_tokens - 1
-        computed_blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[: max_cache_hit_length // self.block_size]:
-            cached = self.block_pool.get_cached_block(block_hash)
-            if cached is None:
-                break
-            computed_blocks.append(cached)
+        computed_blocks = self.block_pool.longest_cache_hit(
+            request, request.block_hashes, max_cache_hit_length // self.block_size
+        )
         return computed_blocks, len(computed_blocks) * self.block_size
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
