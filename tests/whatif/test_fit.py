@@ -165,3 +165,27 @@ def test_a_scale_model_divides_the_pool_the_load_and_the_cap_not_the_step_times(
     quarter, full = StepPlan([ScheduledChunk(req, 1, 500, False)] * 10), StepPlan([ScheduledChunk(req, 1, 500, False)] * 40)
     assert small.deployment.roofline().step_time(quarter) == pytest.approx(sc.deployment.roofline().step_time(full))
     assert scaled(sc, 1.0) is sc
+
+
+def test_a_length_fit_from_coarse_buckets() -> None:
+    """The histogram's mean kept exactly and the sigma its buckets make most likely, on both
+    engines' bucket layouts; too few requests is no fit; a top bucket of +Inf caps at the clip."""
+    from kvdiag.model import Histogram
+    from kvdiag.refpool.emit import SGLANG_LENGTH_BUCKETS, vllm_length_buckets
+    from kvdiag.whatif.lengths import MIN_REQUESTS, from_histogram
+
+    rng = np.random.default_rng(7)
+    drawn = np.round(1000 * np.exp(0.6 * rng.standard_normal(5000)))
+
+    def binned(values: np.ndarray, bounds: tuple[float, ...]) -> Histogram:
+        edges = bounds + (float("inf"),)
+        return Histogram(edges, tuple(float((values <= b).sum()) for b in edges), float(values.sum()), float(len(values)))
+
+    for bounds in (SGLANG_LENGTH_BUCKETS, vllm_length_buckets(32768)):
+        got = from_histogram(binned(drawn, bounds), clip=4.0)
+        assert got is not None and got.mean == pytest.approx(drawn.mean())
+        assert abs(got.median - 1000) / 1000 < 0.05 and abs(got.sigma - 0.6) < 0.05, (bounds[:3], got)
+        assert got.hi == min(b for b in bounds if b >= drawn.max())
+    assert from_histogram(binned(drawn[: MIN_REQUESTS - 1], SGLANG_LENGTH_BUCKETS), clip=4.0) is None
+    beyond = from_histogram(binned(drawn * 100, (100.0, 1000.0)), clip=4.0)  # everything above the last finite bound
+    assert beyond is not None and beyond.hi == round(4.0 * beyond.median)
