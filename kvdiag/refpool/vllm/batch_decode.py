@@ -95,8 +95,6 @@ class BatchDecode:
         if need_tokens > token_budget:
             self.sync_all()
             return None
-        for r in fills:  # the block hashes this step caches (tokens sampled ahead)
-            r.hash_blocks_to(r.num_computed_tokens + j - r.anchor + 1)
         explicit = self.explicit
         last = max(takes[-1].seq if takes else -1, fills[-1].seq if fills else -1)
         preempted: list[Request] = []
@@ -127,7 +125,7 @@ class BatchDecode:
         s, j = self.s, self.step
         kv, bs = s.kv_cache_manager, s.block_size
         items = sorted([(r.seq, r, 0) for r in steady] + [(r.seq, r, n) for r, n in zip(self.explicit, sizes)])
-        tokens = 0
+        tokens, queue = 0, s.block_pool.free_block_queue
         for _, r, n in items:
             if r.status is not _RUNNING:
                 continue  # preempted earlier in this step
@@ -138,11 +136,13 @@ class BatchDecode:
                 continue
             c = r.num_computed_tokens + j - r.anchor
             need = -(-(c + 1) // bs) - len(kv.req_to_blocks[r.request_id])
-            while need > s.block_pool.get_num_free_blocks():  # allocate_slots would return None
+            while need > queue.num_free_blocks:  # allocate_slots would return None
                 if self._preempt_last(preempted) is r:
                     return tokens + self.n
-            kv._allocate_new_blocks(r.request_id, c + 1)  # allocate_slots of a running decode ...
-            kv.cache_blocks(r, c + 1)  # ... and its caching up to num_tokens
+            if need:  # allocate_slots of a running decode ...
+                kv._allocate_new_blocks(r.request_id, c + 1)
+            if (c + 1) % bs == 0:  # ... and its caching up to num_tokens (only a fill caches)
+                kv.cache_blocks(r, c + 1)
         return tokens + self.n
 
     def _preempt_last(self, preempted: list[Request]) -> Request:
@@ -245,6 +245,10 @@ class BatchDecode:
         # check_stop stops it at the d-th decode from now (d >= 1: it did not stop yet).
         d = min(sim.max_new_tokens - n_out, sim.output_len - n_out, s.max_model_len - r.num_tokens)
         r.steady, r.anchor, r.stop_step = True, step, step + d - 1
+        # The hashes of every block it fills until then (its answer is known ahead), in one
+        # pass rather than one call per block filled; they are those positions' hashes whatever
+        # happens (a preempted request recomputes the same tokens).
+        r.hash_blocks_to(c + d)
         heapq.heappush(self.stops, (r.stop_step, r.seq, r))
         bisect.insort(self.phases[(c - step) % bs], r, key=_seq)
         self.n += 1

@@ -259,16 +259,21 @@ class BlockPool:
             f"{request.request_id}: {len(request.block_hashes)} hashes < {num_full_blocks} full blocks "
             f"(block_size {block_size})"
         )
+        hashes, cached_map = request.block_hashes, self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null:
                 continue
             assert blk.block_hash is None, f"{blk} is already cached"
-            block_hash = request.block_hashes[i]
+            block_hash = hashes[i]
             blk.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
-            if block_hash == self._memo_miss:
-                self._drop_memo()
+            entries = cached_map.get(block_hash)
+            if entries is not None:
+                entries[blk.block_id] = blk
+            else:
+                cached_map[block_hash] = {blk.block_id: blk}
+                if block_hash == self._memo_miss:  # a new hash: the memo's miss, perhaps
+                    self._drop_memo()
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the head of the free queue, evicting their stale hashes (lazy

@@ -80,8 +80,7 @@ class Request:
 
     def hash_blocks_to(self, num_tokens: int) -> None:
         """Hash every full block of the first ``num_tokens`` tokens; a steady request
-        (``batch_decode.py``) hashes its sampled-ahead answer this way before its output is
-        brought up to date. The blocks' tokens are sliced out of one run (a prompt's ~60
+        (``batch_decode.py``) hashes its answer up to its stop this way, ahead of its output. The blocks' tokens are sliced out of one run (a prompt's ~60
         blocks at arrival were most of a request's cost)."""
         bs, hashes = self.block_size, self.block_hashes
         lo, hi = len(hashes) * bs, num_tokens // bs * bs
