@@ -16,6 +16,7 @@ and the step time (one 70B decode step ≈ 16 ms) keeps the step count per simul
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from kvdiag.refpool import emit
 from kvdiag.refpool.deployments import HybridSWA, LMCacheTier, PDPair, Topology, lmcache_text, unified_metrics
 from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.roofline import Roofline
-from kvdiag.refpool.sglang.scheduler import SGLangScheduler
+from kvdiag.refpool.sglang.scheduler import SGLangScheduler, default_max_running_requests
 from kvdiag.refpool.sim import EPOCH, Simulation
 from kvdiag.refpool.types import EngineScheduler, KVStore
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
@@ -47,6 +48,9 @@ class Deployment:
     tp: int = 2
     mem_fraction: float = 0.9
     served_model: str = "meta-llama/Meta-Llama-3-70B-Instruct"  # the model_name label
+    #: A scale model's k (``whatif.scale``; 1 for every catalogue scenario): the admission caps
+    #: an engine sizes by default are divided by it, as its pool and arrivals are.
+    scale: float = 1.0
 
     @property
     def pool_tokens(self) -> int:
@@ -115,11 +119,19 @@ def make_scheduler(scenario: Scenario, engine: str, store: KVStore | None = None
     return lambda: topo.wrap(make(), engine, roofline, pool)
 
 
+#: The served context (``--context-length`` / ``max_model_len``) of every scenario's engine.
+CONTEXT_LEN = 32768
+#: vLLM's ``max_num_seqs`` where a scenario sets no cap (its default on the GPUs simulated).
+VLLM_MAX_NUM_SEQS = 1024
+
+
 def _make_engine(scenario: Scenario, engine: str, pool: int, store: KVStore | None) -> Callable[[], EngineScheduler]:
+    k = scenario.deployment.scale
     if engine == "sglang":
         return lambda: SGLangScheduler(
             max_total_num_tokens=pool,
-            max_running_requests=scenario.max_running,
+            max_running_requests=scenario.max_running or _scaled_cap(default_max_running_requests(round(pool * k), CONTEXT_LEN), k),
+            context_len=CONTEXT_LEN,
             enable_hierarchical_cache=scenario.l2_ratio is not None,
             hicache_ratio=scenario.l2_ratio or 2.0,
             hicache_write_policy=scenario.sglang_write_policy,
@@ -131,11 +143,17 @@ def _make_engine(scenario: Scenario, engine: str, pool: int, store: KVStore | No
         return lambda: VLLMScheduler(
             num_gpu_blocks=blocks,
             block_size=BLOCK_SIZE,
-            max_num_seqs=scenario.max_running or 1024,
+            max_num_seqs=scenario.max_running or _scaled_cap(VLLM_MAX_NUM_SEQS, k),
             kv_offloading_blocks=int((blocks - 1) * scenario.l2_ratio) if scenario.l2_ratio else 0,
             store=store,
         )
     raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+
+
+def _scaled_cap(cap: int, k: float) -> int:
+    """An engine's default admission cap in a scale model of 1/k (``cap`` itself at full size),
+    so that a cap that binds at full size binds in the model too."""
+    return max(1, math.ceil(cap / k))
 
 
 @dataclass

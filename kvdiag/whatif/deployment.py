@@ -42,7 +42,7 @@ class Sized(Deployment):
     kv_dtype: str = "bf16"
     reported_pool: int | None = None
     reported_as: Deployment | None = None
-    scale: float = 1.0  # a scale model's k: the pool divided by it, step times as at full size
+    # ``scale`` (Deployment's): a scale model's k, the pool divided by it, step times as at full size
 
     @property
     def model_pool(self) -> int:

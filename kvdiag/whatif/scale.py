@@ -2,7 +2,8 @@
 
 An hour of a 1.5 M-token pool at 50 req/s costs minutes of the reference pool's time per replay;
 most of that is per running request, so a model with a k-th of the pool (``Sized.scale``),
-a k-th of the arrivals and a k-th of any admission cap runs about k times faster. Each step of
+a k-th of the arrivals and a k-th of any admission cap (the engine's default caps too:
+``scenarios._make_engine``) runs about k times faster. Each step of
 it holds a k-th of the full-size batch and is timed as the full-size batch would be
 (``ScaledRoofline``), so usage and TTFT keep their magnitudes; queues, evictions and throughput
 count a k-th and are multiplied back (``Outcome.upscaled``). What does not scale (the shared prefixes,

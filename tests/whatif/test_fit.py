@@ -167,6 +167,26 @@ def test_a_scale_model_divides_the_pool_the_load_and_the_cap_not_the_step_times(
     assert scaled(sc, 1.0) is sc
 
 
+def test_a_scale_model_divides_the_engines_own_default_caps() -> None:
+    """Where the scenario sets no cap, each engine's default (SGLang's by pool, vLLM's
+    max_num_seqs) is the full-size one divided by k: a cap that binds at full size binds in the
+    model, and none is left k times too loose."""
+    from math import ceil
+
+    from kvdiag.refpool.scenarios import CONTEXT_LEN, VLLM_MAX_NUM_SEQS, make_scheduler
+    from kvdiag.refpool.sglang.scheduler import default_max_running_requests
+    from kvdiag.whatif.scale import scaled
+
+    sc = replace(SCENARIOS["noisy-healthy"], deployment=replace(SCENARIOS["noisy-healthy"].deployment, mem_fraction=0.95))
+    full_sglang, full_vllm = make_scheduler(sc, "sglang")(), make_scheduler(sc, "vllm")()
+    assert full_vllm.max_num_seqs == VLLM_MAX_NUM_SEQS
+    assert full_sglang.max_running_requests == default_max_running_requests(sc.deployment.pool_tokens, CONTEXT_LEN)
+    small = scaled(sc, 8.0)
+    model_sglang, model_vllm = make_scheduler(small, "sglang")(), make_scheduler(small, "vllm")()
+    assert model_vllm.max_num_seqs == ceil(VLLM_MAX_NUM_SEQS / 8)
+    assert model_sglang.max_running_requests == min(ceil(full_sglang.max_running_requests / 8), small.deployment.pool_tokens // 2)
+
+
 def test_a_length_fit_from_coarse_buckets() -> None:
     """The histogram's mean kept exactly and the sigma its buckets make most likely, on both
     engines' bucket layouts; too few requests is no fit; a top bucket of +Inf caps at the clip."""
