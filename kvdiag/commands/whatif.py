@@ -9,7 +9,8 @@ the recommended admission limit, a higher memory fraction), each measured throug
 engine's exposition, the adapters and the real checklist. Replays run in worker processes,
 one per core, with a progress bar on a terminal and one plain line per replay when piped;
 ``--scale K`` replays a scale model (``kvdiag.whatif.scale``) and states its error, measured
-against the calibration at full size.
+against the calibration at full size over the window's first ``--scale-check`` minutes (an
+hour at full size is what the scale model is there to avoid).
 Exit 0 with the predictions, 3 when nothing could be fitted (the reason on stderr).
 """
 
@@ -56,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="replay a scale model: pool, arrivals and admission cap divided by K, step times as at full "
                    "size (about K times faster); the calibration also runs at full size and the model's error is "
                    "stated (default 1: full size)")  # fmt: skip
+    p.add_argument("--scale-check", type=float, default=5.0, metavar="MINUTES",
+                   help="with --scale: the model's error is measured against full size over the window's first "
+                   "MINUTES (default 5; 0: the whole window, which costs a full-size replay of all of it)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=0, help="replay worker processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--html", metavar="FILE", help="also write the HTML report with a what-if section per instance")
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--jobs must be >= 0")
         if not args.scale >= 1:
             raise ValueError("--scale must be >= 1")
+        if not args.scale_check >= 0:
+            raise ValueError("--scale-check must be >= 0")
         collected = collect(args)
     except (cfg.ConfigError, ValueError, OSError, RecordingError, PrometheusError, ExpositionError) as exc:
         print(f"kvdiag whatif: {exc}", file=sys.stderr)
@@ -100,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
         jobs.append(Job(instance, None, scenario, f.engine, f.interval, config, k))
         jobs += [Job(instance, lv, sc, f.engine, f.interval, config, k) for lv, sc in applied]
         if k != 1:  # the scale model's own error, on this window: the calibration at full size too
-            jobs.append(Job(instance, None, scenario, f.engine, f.interval, config))
+            first = args.scale_check * 60 if 0 < args.scale_check * 60 < scenario.duration else None
+            if first is not None:  # over the window's first minutes only: the model over them too
+                jobs.append(Job(instance, None, scenario, f.engine, f.interval, config, k, first))
+            jobs.append(Job(instance, None, scenario, f.engine, f.interval, config, first_s=first))
     if not results:
         print("kvdiag whatif: no instance could be fitted" + ("" if by_instance else " (no engine samples were read)"), file=sys.stderr)
         return EXIT_ERROR
@@ -109,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         mine = [r for r in runs if r.key == w.fit.instance]
         if args.scale != 1:
             w.full_calibration, mine = mine[-1], mine[:-1]
+            if w.full_calibration.first_s is not None:
+                w.scaled_check, mine = mine[-1], mine[:-1]
         w.calibration, w.remedies = mine[0], mine[1:]
     if args.json:
         print(dumps({"instances": [w.as_json() for w in results]}, indent=2))

@@ -121,6 +121,7 @@ class Job:
     interval: float
     config: Config
     scale: float = 1.0  # run as a scale model at 1/scale (``whatif.scale``)
+    first_s: float | None = None  # only the window's first seconds (None: all of it)
 
 
 @dataclass(frozen=True)
@@ -133,20 +134,24 @@ class Run:
     error: str
     wall_s: float
     scale: float = 1.0
+    first_s: float | None = None
 
     @property
     def label(self) -> str:
         name = CALIBRATION if self.lever is None else self.lever.label
+        if self.first_s is not None:
+            name += f", first {self.first_s / 60:g} min"
         return name if self.scale == 1 else f"{name} (1/{self.scale:g} scale)"
 
 
 def _run(job: Job) -> Run:
     t0 = time.perf_counter()
+    scenario = job.scenario if job.first_s is None else replace(job.scenario, duration=min(job.first_s, job.scenario.duration))
     try:
-        outcome = replay(scaled(job.scenario, job.scale), job.engine, job.interval, job.config).upscaled(job.scale)
-        return Run(job.key, job.lever, outcome, "", time.perf_counter() - t0, job.scale)
+        outcome = replay(scaled(scenario, job.scale), job.engine, job.interval, job.config).upscaled(job.scale)
+        return Run(job.key, job.lever, outcome, "", time.perf_counter() - t0, job.scale, job.first_s)
     except Exception as exc:  # noqa: BLE001 (one remedy's failure is its row, never the others')
-        return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, job.scale)
+        return Run(job.key, job.lever, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, job.scale, job.first_s)
 
 
 def replay_all(jobs: Sequence[Job], workers: int = 1, progress: Callable[[Run], None] | None = None) -> list[Run]:

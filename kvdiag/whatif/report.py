@@ -28,11 +28,16 @@ class WhatIf:
     calibration: Run
     remedies: list[Run] = field(default_factory=list)
     full_calibration: Run | None = None  # with a scale model: the calibration at full size
+    #: With a scale model checked on the window's first minutes only: the model's calibration
+    #: over the same span, which ``full_calibration`` is compared with (None: the whole window).
+    scaled_check: Run | None = None
 
     @property
     def scale_errors(self) -> Errors | None:
-        """The scale model's calibration against the full-size one (both simulated: exact P99s)."""
-        full, model = (self.full_calibration.outcome if self.full_calibration else None), self.calibration.outcome
+        """The scale model's calibration against the full-size one over the same span (both
+        simulated: exact P99s)."""
+        model_run = self.scaled_check or self.calibration
+        full, model = (self.full_calibration.outcome if self.full_calibration else None), model_run.outcome
         return None if full is None or model is None else errors(full, model, exact=True)
 
     def scale_line(self) -> str:
@@ -40,11 +45,13 @@ class WhatIf:
         if self.full_calibration is None:
             return ""
         e = self.scale_errors
-        k = f"1/{self.calibration.scale:g}"
+        model_run = self.scaled_check or self.calibration
+        k = f"1/{model_run.scale:g}"
         if e is None:
-            return f"scale model {k}: its error could not be measured ({self.full_calibration.error or self.calibration.error})"
-        return (f"scale model {k}: {'within' if e.good else 'NOT within'} the goal against the full-size calibration "
-                f"({e.describe()}; {self.full_calibration.wall_s:.0f}s at full size, {self.calibration.wall_s:.0f}s at {k})")  # fmt: skip
+            return f"scale model {k}: its error could not be measured ({self.full_calibration.error or model_run.error})"
+        span = "" if model_run.first_s is None else f" over the window's first {model_run.first_s / 60:g} min"
+        return (f"scale model {k}: {'within' if e.good else 'NOT within'} the goal against the full-size calibration{span} "
+                f"({e.describe()}; {self.full_calibration.wall_s:.0f}s at full size, {model_run.wall_s:.0f}s at {k})")  # fmt: skip
 
     @property
     def fit_errors(self) -> Errors | None:
@@ -69,6 +76,7 @@ class WhatIf:
             "fit_errors": None if e is None else e.as_json(),
             "fit_quality": self.quality(),
             "full_calibration": None if self.full_calibration is None else _run_json(self.full_calibration),
+            "scaled_check": None if self.scaled_check is None else _run_json(self.scaled_check),
             "scale_errors": None if self.scale_errors is None else self.scale_errors.as_json(),
             "scale_model": self.scale_line() or None,
             "remedies": [_run_json(r) | {"why": r.lever.why if r.lever else "", "flag": r.lever.flag(self.fit.engine) if r.lever else ""}

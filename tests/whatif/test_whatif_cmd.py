@@ -123,8 +123,26 @@ def test_a_scale_model_states_its_error(saturated: Path, capsys: pytest.CaptureF
     assert inst["scale_model"].startswith("scale model 1/2: " + ("within" if e["good"] else "NOT within"))
     assert f"P99 TTFT {e['p99_ttft']:+.0%}" in inst["scale_model"]
     assert inst["remedies"][0]["remedy"] == "kv-dtype=fp8 (1/2 scale)"
+    assert inst["scaled_check"] is None  # the window is shorter than --scale-check: compared whole
     code, _, err = whatif(capsys, "--replay", str(saturated), "--scale", "0.5")
     assert code == 3 and "--scale must be >= 1" in err
+
+
+def test_a_scale_model_is_checked_on_the_first_minutes(saturated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scale-check M` shorter than the window: full size and the model both replay its first
+    M minutes only (not a full-size replay of the whole window), and the error is theirs."""
+    code, out, err = whatif(capsys, "--replay", str(saturated), "--remedy", "kv-dtype=fp8", "--scale", "2", "--scale-check", "1")
+    assert code == 0, err
+    [inst] = out["instances"]
+    full, check = inst["full_calibration"], inst["scaled_check"]
+    assert full["remedy"] == "calibration, first 1 min" and check["remedy"] == "calibration, first 1 min (1/2 scale)"
+    assert inst["calibration"]["remedy"] == "calibration (1/2 scale)"
+    e = inst["scale_errors"]
+    assert inst["scale_model"].startswith("scale model 1/2: " + ("within" if e["good"] else "NOT within"))
+    assert "over the window's first 1 min" in inst["scale_model"]
+    assert full["outcome"]["throughput"] != inst["calibration"]["outcome"]["throughput"]  # a shorter span than the model's whole replay
+    code, _, err = whatif(capsys, "--replay", str(saturated), "--scale", "2", "--scale-check", "-1")
+    assert code == 3 and "--scale-check must be >= 0" in err
 
 
 def test_healthy_keeps_its_verdict_on_a_terminal(tmp_path: Path) -> None:
