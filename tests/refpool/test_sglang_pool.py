@@ -174,6 +174,59 @@ def test_paged_free_group_returns_pages_first_released_first() -> None:
     assert a.alloc(4) == [4, 5, 6, 7] and a.alloc(4) == [8, 9, 10, 11]
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_allocator_numbering_agrees_with_a_plain_free_list(page_size: int) -> None:
+    """The free-list numbering (no per-page work in ``alloc``) against a plain model, a list
+    and an owned set: random takes, frees to the back (page 1) or front (paged), free groups,
+    double frees inside and outside them, small and vectorised sizes. After every operation the
+    same free list, the same owned pages, the same refusals; a refused free changes nothing."""
+    rng = random.Random(page_size)
+    num_pages = 300
+    a = TokenToKVPoolAllocator(num_pages * page_size, page_size)
+    free, owned = list(range(1, num_pages + 1)), set()
+
+    def release(pages: list[int], group: list[int] | None) -> None:
+        slots = [p * page_size + rng.randrange(page_size) for p in pages]
+        if page_size > 1:
+            pages = list(dict.fromkeys(pages))  # any slot names its page, and a page is freed once
+        bad = [p for p in pages if p not in owned]
+        if bad or (page_size == 1 and len(set(pages)) != len(pages)):
+            with pytest.raises(ValueError, match="double free"):
+                a.free(slots)
+            return
+        a.free(slots)
+        owned.difference_update(pages)
+        if page_size == 1:
+            free.extend(pages)
+        elif group is not None:
+            group.extend(pages)
+        else:
+            free[:0] = pages
+
+    for _ in range(150):
+        if rng.random() < 0.5 and free:
+            k = rng.choice([1, 3, 70, 150])
+            got = a.alloc(k * page_size)
+            if k > len(free):
+                assert got is None
+            else:
+                taken, free[:k] = free[:k], []
+                assert got == [p * page_size + o for p in taken for o in range(page_size)]
+                owned.update(taken)
+        elif owned:
+            held = sorted(owned, key=lambda p: rng.random())
+            picks = [held[: rng.choice([1, 5, 80])], held[:3] + [held[0]], held[:70] + [free[0]] if free else held[:1]]
+            if page_size > 1 and rng.random() < 0.5:
+                group: list[int] = []
+                with a.free_group():
+                    for pages in rng.sample(picks, 2):
+                        release(pages, group)
+                free[:0] = group
+            else:
+                release(rng.choice(picks), None)
+        assert a._free[a._head :] == free and a.available_size() == len(free) * page_size
+        assert [p for p in range(num_pages + 2) if a.is_allocated(p * page_size)] == sorted(owned)
+
 def test_paged_decode_evicts_a_page_per_request_before_it_allocates() -> None:
     """alloc_paged_token_slots_decode evicts for bs * page_size even when no row needs a new
     page: check_decode_mem spares the cached leaf, the decode allocation does not."""

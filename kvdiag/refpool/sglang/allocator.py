@@ -10,16 +10,26 @@ in SGLang (``free_pages = arange(1, num_pages + 1)``), so usable slots are ``pag
 (num_pages + 1) * page_size - 1``; with page_size 1 that is ``1..size``.
 
 The allocator counts slots, never bytes: the KV bytes live in the ``KVStore``.
+
+Ownership is checked without touching the pages an ``alloc`` hands out (a decode step takes a
+slot per running request, a prefill thousands): the free list is numbered in order, its front
+page's number is ``_front``, and every page carries the number it had when it went on the list.
+A page is free iff its number is at least ``_front``: ``alloc`` only moves ``_front`` past the
+pages it takes. With page size 1 pages only join at the back, so numbers below ``_front`` stay
+below it; paged frees join at the front, numbered downwards from ``_front``, so a paged
+``alloc`` stamps the pages it takes below any number (``_TAKEN``).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import numpy as np
 
 _VECTOR_MIN = 64  # below this many pages a Python loop beats numpy's per-call overhead
+_TAKEN = -(1 << 62)  # the number of a page a paged alloc took: below every free-list number
+_HELD = 1 << 62  # ... of a page freed inside an open free group: not allocated, not listed yet
 
 
 class TokenToKVPoolAllocator:
@@ -38,8 +48,12 @@ class TokenToKVPoolAllocator:
         # costs a copy of the rest, so the consumed prefix is dropped only once it is half.
         self._free: list[int] = list(range(1, self.num_pages + 1))
         self._head = 0
-        self._owned = bytearray(self.num_pages + 1)  # 1 where a page is allocated
-        self._owned_view = np.frombuffer(self._owned, dtype=np.uint8)  # the same bytes, for numpy
+        # Page p's free-list number (the module's docstring): page p starts as number p - 1;
+        # the padding page 0 is never free.
+        self._numbers = np.arange(-1, self.num_pages, dtype=np.int64)
+        self._numbers[0] = _TAKEN
+        self._number = memoryview(self._numbers)  # the same, read page by page as Python ints
+        self._front = 0  # number of the free list's front page
         self._group: list[int] | None = None  # pages freed inside an open free group, in order
 
     def available_size(self) -> int:
@@ -67,11 +81,11 @@ class TokenToKVPoolAllocator:
         if head > len(self._free) // 2:
             del self._free[:head]
             self._head = 0
-        taken = self._flip_owned(pages, 0)
-        assert taken is None, f"page {taken} on the free list is allocated"
+        self._front += num_pages
         ps = self.page_size
         if ps == 1:
             return pages
+        self._stamp(pages, _TAKEN, 0)
         return [p * ps + o for p in pages for o in range(ps)]
 
     def free(self, free_index: Sequence[int]) -> None:
@@ -79,34 +93,68 @@ class TokenToKVPoolAllocator:
 
         Like SGLang's paged ``free`` (``unique(free_index // page_size)``), naming any slot of a
         page frees the whole page. Freeing a page that is not allocated raises: in SGLang that
-        is silent pool corruption, here it is a bug in the model.
+        is silent pool corruption, here it is a bug in the model. A refused free changes nothing.
         """
         ps = self.page_size
         pages = list(dict.fromkeys(i // ps for i in free_index)) if ps > 1 else free_index
         if not pages:
             return
-        if len(pages) < _VECTOR_MIN:
-            idx = None
-            out_of_pool = min(pages) < 1 or max(pages) > self.num_pages
-            named_twice = ps == 1 and len(set(pages)) != len(pages)
-        else:  # one conversion serves the range, duplicate and ownership checks
-            idx = np.fromiter(pages, np.intp, len(pages))
-            out_of_pool = bool(idx.min() < 1 or idx.max() > self.num_pages)
-            named_twice = ps == 1 and not out_of_pool and _has_duplicates(idx)
-        if out_of_pool:
-            p = next(p for p in pages if not 1 <= p <= self.num_pages)
-            raise ValueError(f"slot page {p} is outside the pool (padding page 0 is never allocated)")
-        if named_twice:
-            raise ValueError("double free: a slot is named twice in one free()")
-        not_owned = self._flip_owned(pages, 1, idx)
-        if not_owned is not None:
-            raise ValueError(f"double free: page {not_owned} is not allocated")
+        n, front = len(pages), self._front
+        if ps == 1:
+            first = front + self.num_free_pages()  # to the back
+        elif self._group is None:
+            first = front - n  # to the front
+        else:
+            first = _HELD  # listed when the group ends
+        if n < _VECTOR_MIN:
+            if min(pages) < 1 or max(pages) > self.num_pages:
+                self._outside(pages)
+            if ps == 1 and len(set(pages)) != n:
+                raise ValueError("double free: a slot is named twice in one free()")
+            number = self._number
+            for p in pages:
+                if number[p] >= front:
+                    raise ValueError(f"double free: page {p} is not allocated")
+            self._stamp(pages, first, 0 if first == _HELD else 1)
+        else:  # one index array serves the range, duplicate and ownership checks
+            idx = np.fromiter(pages, np.intp, n)
+            if idx.min() < 1 or idx.max() > self.num_pages:
+                self._outside(pages)
+            numbers = self._numbers
+            old = numbers[idx]
+            if ps == 1:
+                new = np.arange(first, first + n, dtype=np.int64)
+                numbers[idx] = new
+                if (numbers[idx] != new).any():  # a page named twice kept only its last number
+                    numbers[idx] = old
+                    raise ValueError("double free: a slot is named twice in one free()")
+            not_allocated = old >= front
+            if not_allocated.any():
+                numbers[idx] = old
+                raise ValueError(f"double free: page {pages[int(np.argmax(not_allocated))]} is not allocated")
+            if ps > 1:
+                numbers[idx] = first if first == _HELD else np.arange(first, first + n, dtype=np.int64)
         if ps == 1:
             self._free.extend(pages)
         elif self._group is not None:
             self._group.extend(pages)
         else:
             self._free[self._head : self._head] = pages
+            self._front = first
+
+    def _outside(self, pages: Sequence[int]) -> NoReturn:
+        p = next(p for p in pages if not 1 <= p <= self.num_pages)
+        raise ValueError(f"slot page {p} is outside the pool (padding page 0 is never allocated)")
+
+    def _stamp(self, pages: Sequence[int], first: int, step: int = 1) -> None:
+        """Number ``pages`` ``first``, ``first + step``, ... (step 0: ``_TAKEN`` / ``_HELD``)."""
+        if len(pages) >= _VECTOR_MIN:
+            idx = np.fromiter(pages, np.intp, len(pages))
+            self._numbers[idx] = np.arange(len(pages), dtype=np.int64) * step + first if step else first
+            return
+        number = self._number
+        for i, p in enumerate(pages):
+            number[p] = first + i * step
 
     @contextmanager
     def free_group(self) -> Iterator[None]:
@@ -121,37 +169,12 @@ class TokenToKVPoolAllocator:
             yield
         finally:
             pages, self._group = self._group, None
-            self._free[self._head : self._head] = pages
-
-    def _flip_owned(self, pages: Sequence[int], expect: int, idx: np.ndarray | None = None) -> int | None:
-        """Flip the ownership flag of every page from ``expect``; if one is not ``expect``,
-        change nothing and return it. Vectorised past a few dozen pages (``idx``: the pages as
-        an index array, when the caller has it): a prefill takes and an eviction frees
-        thousands of slots at a time."""
-        owned = self._owned
-        if len(pages) < _VECTOR_MIN:
-            for p in pages:
-                if owned[p] != expect:
-                    return p
-            for p in pages:
-                owned[p] = 1 - expect
-            return None
-        if idx is None:
-            idx = np.fromiter(pages, np.intp, len(pages))
-        view = self._owned_view
-        wrong = view[idx] != expect
-        if wrong.any():
-            return pages[int(np.argmax(wrong))]
-        view[idx] = 1 - expect
-        return None
+            if pages:
+                self._front -= len(pages)
+                self._stamp(pages, self._front)
+                self._free[self._head : self._head] = pages
 
     def is_allocated(self, slot: int) -> bool:
         """Whether the page holding ``slot`` is currently handed out (for invariant checks)."""
         page = slot // self.page_size
-        return 1 <= page <= self.num_pages and bool(self._owned[page])
-
-
-def _has_duplicates(idx: np.ndarray) -> bool:
-    """Whether an index array names a value twice (a sort in C beats a Python set here)."""
-    s = np.sort(idx)
-    return bool((s[1:] == s[:-1]).any())
+        return 1 <= page <= self.num_pages and self._number[page] < self._front
