@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Callable
 
+import numpy as np
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -32,11 +34,12 @@ from kvdiag.refpool.sim import tune_gc
 from kvdiag.report.json import dumps
 from kvdiag.sources.prometheus import PrometheusError
 from kvdiag.sources.recording import RecordingError
-from kvdiag.whatif.fit import FitError, fit
+from kvdiag.whatif.fit import Fit, FitError, fit
 from kvdiag.whatif.levers import LeverError, parse, recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, measure, replay_all
 from kvdiag.whatif.report import WhatIf, html_section, render
-from kvdiag.window import windows
+from kvdiag.whatif.scale import auto_scale
+from kvdiag.window import Window, windows
 
 EXIT_ERROR = 3
 
@@ -53,10 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a remedy to replay (repeatable): max-running=N, mem-fraction=F, kv-dtype=fp8, tp=N, dp=N, "
                    "l2-ratio=R; a bare name takes its default (default: fp8 KV, 2x TP, one more DP replica, the "
                    "recommended admission limit, a higher memory fraction)")  # fmt: skip
-    p.add_argument("--scale", type=float, default=1.0, metavar="K",
-                   help="replay a scale model: pool, arrivals and admission cap divided by K, step times as at full "
+    p.add_argument("--scale", default="auto", metavar="K|auto",
+                   help="replay a scale model: pool, arrivals and admission caps divided by K, step times as at full "
                    "size (about K times faster); the calibration also runs at full size and the model's error is "
-                   "stated (default 1: full size)")  # fmt: skip
+                   "stated. auto (default): full size for a window of a few thousand requests, else a model that "
+                   "keeps ~120 requests running at the window's peak; 1: always full size")  # fmt: skip
     p.add_argument("--scale-check", type=float, default=5.0, metavar="MINUTES",
                    help="with --scale: the model's error is measured against full size over the window's first "
                    "MINUTES (default 5; 0: the whole window, which costs a full-size replay of all of it)")  # fmt: skip
@@ -76,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--follow does not apply to whatif (it replays a window that has ended)")
         if args.jobs < 0:
             raise ValueError("--jobs must be >= 0")
-        if not args.scale >= 1:
-            raise ValueError("--scale must be >= 1")
+        scale = _scale(args.scale)
         if not args.scale_check >= 0:
             raise ValueError("--scale-check must be >= 0")
         collected = collect(args)
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvdiag whatif: {exc}", file=sys.stderr)
             continue
         results.append(WhatIf(f, measure([w], config), Run(instance, None, None, "not run", 0.0)))
-        k = args.scale
+        k = _scale_for(scale, f, w, args.no_progress)
         jobs.append(Job(instance, None, scenario, f.engine, f.interval, config, k))
         jobs += [Job(instance, lv, sc, f.engine, f.interval, config, k) for lv, sc in applied]
         if k != 1:  # the scale model's own error, on this window: the calibration at full size too
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     runs = _replay(jobs, args)
     for w in results:
         mine = [r for r in runs if r.key == w.fit.instance]
-        if args.scale != 1:
+        if mine[0].scale != 1:
             w.full_calibration, mine = mine[-1], mine[:-1]
             if w.full_calibration.first_s is not None:
                 w.scaled_check, mine = mine[-1], mine[:-1]
@@ -135,6 +138,33 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"wrote {args.html}", file=sys.stderr)
     return 0
+
+
+def _scale(text: str) -> float | str:
+    """``--scale``: "auto" or a factor of at least 1 (ValueError otherwise)."""
+    if text == "auto":
+        return text
+    try:
+        k = float(text)
+    except ValueError:
+        raise ValueError(f"--scale must be a number >= 1 or 'auto', not {text!r}") from None
+    if not k >= 1:
+        raise ValueError("--scale must be >= 1")
+    return k
+
+
+def _scale_for(scale: float | str, f: Fit, w: Window, quiet: bool) -> float:
+    """The scale of an instance's replays: ``--scale``'s, or the one ``auto_scale`` picks from the
+    fitted arrivals and the window's peak running count (said on stderr when it is a model)."""
+    if scale != "auto":
+        return float(scale)
+    running = w.column("running") if w.has("running") else None
+    peak = float(np.nanmax(running)) if running is not None and np.isfinite(running).any() else None
+    k = auto_scale(f.arrivals.total, peak)
+    if k != 1 and not quiet:
+        print(f"kvdiag whatif: {f.instance}: replaying a 1/{k:g} scale model (--scale auto: {f.arrivals.total:,.0f} "
+              f"requests in the window, {peak:,.0f} running at its peak; --scale 1 for full size)", file=sys.stderr)  # fmt: skip
+    return k
 
 
 def _replay(jobs: list[Job], args: argparse.Namespace) -> list[Run]:

@@ -10,6 +10,9 @@ count a k-th and are multiplied back (``Outcome.upscaled``). What does not scale
 which take the same tokens of a smaller pool; per-step token budgets; the randomness of a k-th
 of the requests) is the model's error, which ``kvdiag whatif --scale`` measures on the window
 itself (the calibration at both sizes) and ``bench/bench_whatif.py`` on an hour.
+
+``auto_scale`` is what ``--scale auto`` picks: full size for a window whose replays are short
+anyway, else a model small enough to replay quickly that still runs a busy engine's batch.
 """
 
 from __future__ import annotations
@@ -38,3 +41,20 @@ def scaled(scenario: Scenario, k: float) -> Scenario:
         max_running=None if scenario.max_running is None else max(1, math.ceil(scenario.max_running / k)),
     )
 
+
+
+#: Concurrent requests a scale model keeps at least, so its batches and queue stay a busy
+#: engine's (bench_whatif's 1/8 model of ~1,000 running held ~125, within the goal on most runs).
+MIN_RUNNING = 120
+#: Requests in a window below which a full-size replay is quick (seconds each here) and no
+#: scale model is worth its error.
+MAX_REQUESTS = 5_000
+
+
+def auto_scale(requests: float, peak_running: float | None) -> float:
+    """``--scale auto``: 1 where the window holds at most ``MAX_REQUESTS`` requests (or its running
+    count is unknown), else the whole k that brings it to ``MAX_REQUESTS``, at most the one that
+    leaves ``MIN_RUNNING`` requests running at the window's peak."""
+    if requests <= MAX_REQUESTS or not peak_running:
+        return 1.0
+    return float(max(1, min(math.ceil(requests / MAX_REQUESTS), math.floor(peak_running / MIN_RUNNING))))

@@ -209,3 +209,13 @@ def test_a_length_fit_from_coarse_buckets() -> None:
     assert from_histogram(binned(drawn[: MIN_REQUESTS - 1], SGLANG_LENGTH_BUCKETS), clip=4.0) is None
     beyond = from_histogram(binned(drawn * 100, (100.0, 1000.0)), clip=4.0)  # everything above the last finite bound
     assert beyond is not None and beyond.hi == round(4.0 * beyond.median)
+
+
+def test_auto_scale_keeps_small_windows_at_full_size_and_a_busy_batch_in_the_model() -> None:
+    from kvdiag.whatif.scale import MAX_REQUESTS, MIN_RUNNING, auto_scale
+
+    assert auto_scale(MAX_REQUESTS, 5_000) == 1.0  # a few thousand requests: full size
+    assert auto_scale(180_000, 1_000) == 8.0  # bench_whatif's hour: held at ~125 running, not 36x
+    assert auto_scale(20_000, 2_000) == 4.0  # brought to MAX_REQUESTS
+    assert auto_scale(100_000, MIN_RUNNING - 1) == 1.0  # too few running for any model
+    assert auto_scale(100_000, None) == 1.0  # running unknown: no guess

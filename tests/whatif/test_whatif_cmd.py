@@ -128,11 +128,20 @@ def test_a_scale_model_states_its_error(saturated: Path, capsys: pytest.CaptureF
     assert code == 3 and "--scale must be >= 1" in err
 
 
-def test_a_scale_model_is_checked_on_the_first_minutes(saturated: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`--scale-check M` shorter than the window: full size and the model both replay its first
+def test_a_scale_model_is_checked_on_the_first_minutes(
+    saturated: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--scale auto` on a window past its request threshold picks a model (here 1/2: ~1,330
+    requests against a threshold of 700, 86 running at the peak against a floor of 40) and says
+    so; `--scale-check M` shorter than the window: full size and the model both replay its first
     M minutes only (not a full-size replay of the whole window), and the error is theirs."""
-    code, out, err = whatif(capsys, "--replay", str(saturated), "--remedy", "kv-dtype=fp8", "--scale", "2", "--scale-check", "1")
+    from kvdiag.whatif import scale
+
+    monkeypatch.setattr(scale, "MAX_REQUESTS", 700)
+    monkeypatch.setattr(scale, "MIN_RUNNING", 40)
+    code, out, err = whatif(capsys, "--replay", str(saturated), "--remedy", "kv-dtype=fp8", "--scale-check", "1")
     assert code == 0, err
+    assert "replaying a 1/2 scale model (--scale auto: 1,333 requests in the window, 86 running at its peak" in err
     [inst] = out["instances"]
     full, check = inst["full_calibration"], inst["scaled_check"]
     assert full["remedy"] == "calibration, first 1 min" and check["remedy"] == "calibration, first 1 min (1/2 scale)"
