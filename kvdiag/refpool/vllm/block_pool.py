@@ -282,18 +282,23 @@ class BlockPool:
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
-        cached_map = self.cached_block_hash_to_block
-        for block in ret:
-            block_hash = block.block_hash
-            if block_hash is not None and self.enable_caching:
+        if self.enable_caching:
+            cached_map, evicted = self.cached_block_hash_to_block, 0
+            for block in ret:
+                block_hash = block.block_hash
+                if block_hash is None:
+                    continue
                 cached = cached_map.get(block_hash)
-                if cached is not None and cached.pop(block.block_id, None) is not None:
-                    if not cached:
-                        del cached_map[block_hash]
-                    block.block_hash = None
-                    self.num_evicted_blocks += 1
-                    if block.memo_gen == self._memo_gen:
-                        self._memo_evicted(block)
+                if cached is None or cached.pop(block.block_id, None) is None:
+                    continue
+                if not cached:
+                    del cached_map[block_hash]
+                block.block_hash = None
+                evicted += 1
+                if block.memo_gen == self._memo_gen:
+                    self._memo_evicted(block)
+            self.num_evicted_blocks += evicted
+        for block in ret:
             assert block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0"
             block.ref_cnt += 1
         return ret
