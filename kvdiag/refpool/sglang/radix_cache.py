@@ -155,6 +155,7 @@ class RadixCache:
 
     def insert(self, key: Sequence[int], value: Sequence[int], inserted_len: int = 0) -> int:
         """Insert ``key`` -> ``value``; return how many leading tokens were already cached.
+        (``value`` may run on past ``key``: only its first ``len(key)`` slots are read.)
 
         The caller frees its own slots for that already-cached prefix (they are duplicates).
         The new suffix becomes one node and adds to ``evictable_size_`` (``_insert_helper``).

@@ -221,11 +221,11 @@ def _insert_row(req: Req, tree: RadixCache, key: Sequence[int]) -> int:
     ``key``, then re-insert the prompt so the leaf splits at the prompt boundary ("so eviction can
     drop the output KV without the prompt"). Returns the first insert's cached prefix length."""
     n = len(key)
-    new_prefix_len = tree.insert(key, req.kv_indices[:n], req.cache_inserted_len)
+    new_prefix_len = tree.insert(key, req.kv_indices, req.cache_inserted_len)  # reads the row's first n
     req.cache_inserted_len = max(req.cache_inserted_len, n)
     p = len(req.origin_input_ids) // tree.page_size * tree.page_size
     if 0 < p < n:
-        tree.insert(key[:p], req.kv_indices[:p], p)
+        tree.insert(key[:p], req.kv_indices, p)
     return new_prefix_len
 
 
