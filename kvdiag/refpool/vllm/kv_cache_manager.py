@@ -109,16 +109,16 @@ class KVCacheManager:
         A prefix-hit block that is currently free (ref_cnt 0, in the free queue) leaves the free
         pool when touched, so it counts toward the need exactly like a new block.
         """
-        num_required_blocks = -(-num_tokens // self.block_size)  # cdiv, inlined: runs per request per step
-        num_new_blocks = (
-            num_required_blocks - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
-        )
+        return -(-num_tokens // self.block_size) - self._blocks_in_hand(request_id, new_computed_blocks)  # cdiv
+
+    def _blocks_in_hand(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> int:
+        """The blocks toward a request's need that the free pool does not supply: those it holds
+        and its hits that someone else holds (``get_num_blocks_to_allocate``'s subtrahend, once
+        for both of admission's checks: it walks every hit)."""
+        held = len(new_computed_blocks) + len(self.req_to_blocks.get(request_id, ()))
         if not new_computed_blocks:  # a running request's step: no hits to adopt
-            return num_new_blocks
-        num_evictable_computed_blocks = sum(
-            1 for blk in new_computed_blocks if blk.ref_cnt == 0 and not blk.is_null
-        )
-        return num_new_blocks + num_evictable_computed_blocks
+            return held
+        return held - sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0 and not blk.is_null)
 
     def fits(
         self,
@@ -165,14 +165,15 @@ class KVCacheManager:
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
-        free = self.block_pool.get_num_free_blocks()
+        free, bs = self.block_pool.get_num_free_blocks(), self.block_size
+        in_hand = self._blocks_in_hand(request.request_id, hits)
         if full_sequence_must_fit:
             # Admission gate (scheduler_reserve_full_isl): the whole current sequence must fit,
             # not just the first chunk.
             full_num_tokens = min(request.num_tokens, self.max_model_len)
-            if self.get_num_blocks_to_allocate(request.request_id, full_num_tokens, hits) + watermark_blocks > free:
+            if -(-full_num_tokens // bs) - in_hand + watermark_blocks > free:
                 return False
-        need = self.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hits)
+        need = -(-num_tokens_need_slot // bs) - in_hand  # get_num_blocks_to_allocate
         return need + watermark_blocks <= free - reserved_blocks
 
     def allocate_slots(
