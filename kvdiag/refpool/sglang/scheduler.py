@@ -49,7 +49,8 @@ from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest,
 
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
-_RESERVE_LEFT = operator.attrgetter("reserve_left")  # read over the running batch per prefill
+_RESERVE_LEFT = operator.attrgetter("reserve_left")
+_FINISHED = operator.attrgetter("finished")  # read over the running batch at each filter
 
 
 def default_max_running_requests(max_total_num_tokens: int, context_len: int) -> int:
@@ -125,6 +126,7 @@ class SGLangScheduler:
         self._batch_order = itertools.count()
         self._decode_context = 0  # the running batch's tokens in L1 (batch mode)
         self._in_full = 0  # running requests with ignore_eos, reserved in full (batch mode)
+        self._reserve = np.zeros(0, np.int64)  # each running request's reserve_left, in batch order
 
     # ================================================================= protocol
     def add_request(self, req: SimRequest) -> None:
@@ -375,6 +377,7 @@ class SGLangScheduler:
         if self.batch_decode:
             for r in kept:
                 self._track(r)
+            self._reserve = np.concatenate((self._reserve, np.fromiter(map(_RESERVE_LEFT, kept), np.int64, len(kept))))
 
     def _filter_running_batch(self) -> None:
         """Top of every ``get_next_batch_to_run`` ("Every step, not only after a merge"):
@@ -384,7 +387,11 @@ class SGLangScheduler:
             return  # nobody finished since the last filter: it would change nothing
         self._filter_due = False
         before = len(self.running_batch)
-        self.running_batch = [r for r in self.running_batch if not r.finished]
+        batch = self.running_batch
+        keep = ~np.fromiter(map(_FINISHED, batch), bool, len(batch))
+        self.running_batch = list(itertools.compress(batch, keep.tolist()))
+        if self.batch_decode:
+            self._reserve = self._reserve[keep]
         if len(self.running_batch) < before or not self.running_batch:
             self.batch_is_full = False
 
@@ -459,6 +466,7 @@ class SGLangScheduler:
         if self.waiting_queue or self.chunked_req or any(not r.finished for r in self.running_batch):
             return
         self.running_batch = []
+        self._reserve = self._reserve[:0]
         self.batch_is_full = False
         self.ratio.reset()
         if isinstance(self.tree_cache, HiRadixCache):  # the idle iteration polls the acks too
@@ -574,7 +582,8 @@ class SGLangScheduler:
         """``PrefillAdder``'s reservation for the running batch's remaining output, in batch mode
         (each request's outputs not appended yet count as generated)."""
         batch = self.running_batch
-        remaining = np.fromiter(map(_RESERVE_LEFT, batch), np.int64, len(batch)) - self.forward_ct_decode
+        assert len(self._reserve) == len(batch), "the reserve array follows the running batch"
+        remaining = self._reserve - self.forward_ct_decode
         in_full = [r.sim.ignore_eos for r in batch] if self._in_full else np.zeros(len(batch), dtype=bool)
         return running_output_offset(remaining, in_full, self.ratio.current)
 
@@ -583,6 +592,7 @@ class SGLangScheduler:
         self._stops, self._decode_context, self._in_full = [], 0, 0
         for r in self.running_batch:
             self._track(r)
+        self._reserve = np.fromiter(map(_RESERVE_LEFT, self.running_batch), np.int64, len(self.running_batch))
 
     def _due_stops(self, step: int) -> list[Req]:
         """Pop the running requests that stop at decode step ``step``, in batch order (entries
