@@ -353,10 +353,11 @@ class RadixCache:
 
     def _update_leaf_status(self, node: TreeNode) -> None:
         """Keep ``evictable_leaves`` = unlocked device nodes with no device-resident child."""
+        children = node.children
         evictable = (
             not node.evicted
             and node.lock_ref == 0
-            and all(c.evicted for c in node.children.values())
+            and (not children or all(c.evicted for c in children.values()))  # a leaf skips the scan
         )
         if evictable:
             if node not in self.evictable_leaves:
