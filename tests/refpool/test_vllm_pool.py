@@ -832,3 +832,18 @@ def test_batch_decode_orders_steady_blocks_between_older_prefills() -> None:
     stream = [(0, f"q{i}", tuple(rng.randrange(50) for _ in range(30 if i % 3 == 0 else 3)), 20, 20) for i in range(8)]
     cfg = dict(num_gpu_blocks=300, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=6)
     assert assert_batch_decode_exact(cfg, stream) > 0
+
+
+def test_batch_decode_orders_a_step_that_caches_a_hash_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeated requests (the same id and prompt: the same answer) cache blocks whose hashes the
+    earlier copies' freed blocks, next in the free queue, still carry: such a step applies its
+    events one at a time (``_shares_hash``; taken batch-wise, this stream's cache order departs
+    at step 40), and the pool stays exactly as step by step."""
+    shared: list[bool] = []
+    orig = BatchDecode._shares_hash
+    monkeypatch.setattr(BatchDecode, "_shares_hash", lambda self, fills, n: shared.append(orig(self, fills, n)) or shared[-1])
+    arrivals = [(9, 1, 1), (12, 1, 3), (23, 1, 3), (25, 0, 3), (30, 0, 3), (30, 1, 2), (30, 0, 3), (34, 0, 1),
+                (35, 0, 1), (35, 1, 2), (37, 1, 1), (38, 0, 1)]  # (step, r0 or r1, prompt length)  # fmt: skip
+    stream = [(t, f"r{r}", (1, 2, 3)[:n], 10, 10) for t, r, n in arrivals]
+    cfg = dict(num_gpu_blocks=26, block_size=1, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=16)
+    assert assert_batch_decode_exact(cfg, stream) > 0 and any(shared)

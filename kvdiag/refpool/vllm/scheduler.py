@@ -482,7 +482,7 @@ class VLLMScheduler:
             num_gpu_blocks=self.block_pool.num_gpu_blocks,
             block_size=self.block_size,
             num_free_blocks=self.block_pool.get_num_free_blocks(),
-            kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage=self.block_pool.get_usage(),
             num_requests_running=len(self.running),
             num_requests_waiting=len(self.waiting) + len(self.kv_holding_waiting),
             num_preemptions_total=self.num_preemptions_total,
