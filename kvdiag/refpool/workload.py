@@ -153,6 +153,31 @@ class Bursty:
 
 
 @dataclass(frozen=True)
+class EveryKth:
+    """Every ``k``-th arrival of ``arrivals`` from one draw of it (the 1st, then each time the
+    count passes the next multiple of ``k``; ``k`` may be fractional).
+
+    A scale model's arrivals (``whatif.scale``): over any span they count a k-th of the full
+    stream's within one, so the load's relative burstiness stays the full size's. A process
+    thinned at random (each rate divided by k) is sqrt(k) times burstier relative to its mean,
+    and a queue near or past capacity turns that into tens of percent more waiting."""
+
+    arrivals: Arrivals
+    k: float
+
+    def __post_init__(self) -> None:
+        if not self.k >= 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+
+    def times(self, rng: np.random.Generator) -> Iterator[float]:
+        kept = 0
+        for i, t in enumerate(self.arrivals.times(rng)):
+            if i >= kept * self.k:
+                kept += 1
+                yield t
+
+
+@dataclass(frozen=True)
 class Ramp:
     """Poisson arrivals whose rate follows straight lines between ``(time_s, rate)`` points and
     stays at the last rate afterwards: a load rising past capacity over a known time.

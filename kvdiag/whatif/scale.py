@@ -21,17 +21,18 @@ import math
 from dataclasses import replace
 
 from kvdiag.refpool.scenarios import Scenario
+from kvdiag.refpool.workload import EveryKth
 from kvdiag.whatif.deployment import sized
-from kvdiag.whatif.levers import thinned
 
 
 def scaled(scenario: Scenario, k: float) -> Scenario:
-    """``scenario`` at 1/k: pool, arrivals and admission cap divided by ``k``."""
+    """``scenario`` at 1/k: pool, arrivals (every k-th of the same stream, ``EveryKth``) and
+    admission cap divided by ``k``."""
     if k == 1:
         return scenario
 
     def thin(wls: tuple) -> tuple:  # type: ignore[type-arg]
-        return tuple(replace(w, arrivals=thinned(w.arrivals, k)) for w in wls)
+        return tuple(replace(w, arrivals=EveryKth(w.arrivals, k)) for w in wls)
 
     return replace(
         scenario,

@@ -170,3 +170,16 @@ def test_invalid_parameters_raise() -> None:
         SharedPrefix(2, 1.0)
     with pytest.raises(ValueError):
         Bursty(0, 1, 1, 1)
+
+
+def test_every_kth_keeps_a_kth_of_one_draw() -> None:
+    """A fractional k keeps the arrivals where the count passes each multiple of k (0, 3, 5, 8,
+    10, ... for 2.5): a k-th of the stream within one, from the same draw; k < 1 is refused."""
+    from kvdiag.refpool.workload import EveryKth, Poisson
+
+    full = list(itertools.islice(Poisson(10.0).times(np.random.default_rng(1)), 100))
+    kept = list(itertools.takewhile(lambda t: t <= full[-1], EveryKth(Poisson(10.0), 2.5).times(np.random.default_rng(1))))
+    assert kept[:5] == [full[i] for i in (0, 3, 5, 8, 10)] and set(kept) <= set(full)
+    assert len(kept) == 40
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        EveryKth(Poisson(10.0), 0.5)
