@@ -444,7 +444,7 @@ class CounterMetrics:
 
     def on_step(self) -> PoolTruth:
         truth = self.base.on_step()
-        self.counters(self.state, self.base.scheduler.stats())  # type: ignore[attr-defined]
+        self.counters(self.state, self.base.stats)  # type: ignore[attr-defined] (the stats that step read)
         return truth
 
 

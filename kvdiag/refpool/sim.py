@@ -150,14 +150,14 @@ class SGLangMetrics:
 
     def __init__(self, scheduler: SGLangScheduler, created: float) -> None:
         self.scheduler = scheduler
-        st = scheduler.stats()
+        st = self.stats = scheduler.stats()  # as the last on_step read them (hooks beside it reuse them)
         self.state = EngineState(
             capacity_tokens=st.max_total_num_tokens, l2_capacity_tokens=st.hicache_host_total_tokens, created=created
         )
 
     def on_step(self) -> PoolTruth:
         sched, s = self.scheduler, self.state
-        st = sched.stats()
+        st = self.stats = sched.stats()
         s.evictions_total = st.num_retracted_requests_total
         s.prefix_hit_tokens_total = st.cached_tokens_device_total
         s.l2_hit_tokens_total = st.cached_tokens_host_total
@@ -190,7 +190,7 @@ class VLLMMetrics:
 
     def __init__(self, scheduler: VLLMScheduler, created: float) -> None:
         self.scheduler = scheduler
-        st = scheduler.stats()
+        st = self.stats = scheduler.stats()  # as the last on_step read them (hooks beside it reuse them)
         bs = st.block_size
         self.state = EngineState(
             capacity_tokens=(st.num_gpu_blocks - 1) * bs,
@@ -201,7 +201,8 @@ class VLLMMetrics:
         )
 
     def on_step(self) -> PoolTruth:
-        st, s = self.scheduler.stats(), self.state
+        st = self.stats = self.scheduler.stats()
+        s = self.state
         bs = st.block_size
         s.used_tokens = (st.num_gpu_blocks - 1 - st.num_free_blocks) * bs
         s.running = st.num_requests_running
