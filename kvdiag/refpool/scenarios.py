@@ -174,15 +174,16 @@ class ScenarioRun:
 
     def __post_init__(self) -> None:
         make = make_scheduler(self.scenario, self.engine, self.store)
-        roofline = self.scenario.deployment.roofline()
         topo = self.scenario.topology
-        step_time = roofline.step_time if topo is None else topo.step_time(roofline.step_time)
-        metrics = unified_metrics(roofline.kv_bytes_per_token) if topo is None else topo.metrics(self.engine)
         fast = self.fast and (topo is None or topo.fast_forward)
-        self.sims = [
-            Simulation(make, wl.requests(), step_time, metrics=metrics, batch_time=roofline.batch_seconds if fast else None)
-            for wl in self.scenario.workloads_for(self.engine)
-        ]
+
+        def engine_loop(wl: Workload) -> Simulation:
+            roofline = self.scenario.deployment.roofline()  # one per loop: a scale model's keeps state
+            step_time = roofline.step_time if topo is None else topo.step_time(roofline.step_time)
+            metrics = unified_metrics(roofline.kv_bytes_per_token) if topo is None else topo.metrics(self.engine)
+            return Simulation(make, wl.requests(), step_time, metrics=metrics, batch_time=roofline.batch_seconds if fast else None)
+
+        self.sims = [engine_loop(wl) for wl in self.scenario.workloads_for(self.engine)]
         self.target = self.target or f"sim://{self.engine}/{self.scenario.name}"
         self._restart_pending = self.scenario.restart_at
 

@@ -171,6 +171,26 @@ def test_a_scale_model_divides_the_pool_the_load_and_the_cap_not_the_step_times(
     assert scaled(sc, 1.0) is sc
 
 
+def test_a_scale_models_prefill_beside_decodes_is_timed_at_its_average() -> None:
+    """A scale model's mixed steps carry a whole prompt or none; each is timed with the prefill
+    averaged over recent decoding steps, which charges as many prefill tokens in the long run,
+    spread as the full-size engine spreads them. Prefill-only steps are timed as they come."""
+    from kvdiag.refpool.types import ScheduledChunk, SimRequest, StepPlan
+    from kvdiag.whatif.deployment import ScaledRoofline
+
+    req = SimRequest("r", 0.0, (1,) * 1000, 10, 10)
+    prompt = ScheduledChunk(req, 1000, 0, True)
+    decodes = StepPlan(decode_batch=128, decode_context=128 * 1400)
+    mixed = StepPlan([prompt], decode_batch=128, decode_context=128 * 1400)
+    smooth, plain = ScaledRoofline(8.0, "llama-3-8b", "h200", tp=2), ScaledRoofline(8.0, "llama-3-8b", "h200", tp=2)
+    assert smooth.step_time(StepPlan([prompt])) == plain.batch_cost(1000, 0, 1000 * 1001 / 2).seconds  # prefill alone: as it comes
+    lumpy = plain.batch_cost(128 + 1000, 128 * 1400, 128 * 1401 + 1000 * 1001 / 2).seconds
+    times = [smooth.step_time(mixed if i % 8 == 0 else decodes) for i in range(4000)]
+    assert max(times[-800:]) < lumpy  # no step pays a whole prompt times k
+    spread = plain.batch_cost(128 + 125, 128 * 1400, 128 * 1401 + 1000 * 1001 / 2 / 8).seconds  # a prompt per 8 steps, evenly
+    assert np.mean(times[-800:]) == pytest.approx(spread, rel=0.02)
+
+
 def test_a_scale_model_divides_the_engines_own_default_caps() -> None:
     """Where the scenario sets no cap, each engine's default (SGLang's by pool, vLLM's
     max_num_seqs) is the full-size one divided by k: a cap that binds at full size binds in the
