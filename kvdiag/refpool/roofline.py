@@ -91,15 +91,8 @@ class Roofline:
         return self.cost(plan).seconds
 
     def cost(self, plan: StepPlan) -> StepCost:
-        # The aggregated one-token decodes: n = 1 over p cached tokens is p + 1 pairs each.
-        tokens, context = plan.decode_batch, plan.decode_context
-        pairs = float(context + tokens)
-        for c in plan.chunks:
-            n, p = c.num_new_tokens, c.num_context_tokens
-            tokens += n
-            context += p
-            pairs += n * p + n * (n + 1) / 2
-        return self.batch_cost(tokens, context, pairs)
+        (tokens, context, pairs), (p_tokens, p_context, p_pairs) = work(plan)
+        return self.batch_cost(tokens + p_tokens, context + p_context, pairs + p_pairs)
 
     def batch_seconds(self, tokens: int, context: int, pairs: float) -> float:
         """``batch_cost(...).seconds``: the engine loop's fast-forward step time."""
@@ -121,6 +114,26 @@ class Roofline:
         t_comm = tokens * self.comm_bytes_per_token / self.cal.link_bytes_per_s
         seconds = max(t_compute, t_memory) + t_comm + self.cal.t_fixed
         return StepCost(flops, nbytes, t_compute, t_memory, t_comm, seconds)
+
+
+Work = tuple[int, int, float]  # (new tokens, cached context tokens, causal (query, key) pairs)
+
+
+def work(plan: StepPlan) -> tuple[Work, Work]:
+    """A plan's decode and prefill work, apart: the aggregated one-token decodes and decode
+    chunks (n = 1 over p cached tokens is p + 1 pairs each), then the prefill chunks. Every
+    term is a whole number, so the sums are exact in any order."""
+    tokens, context = plan.decode_batch, plan.decode_context
+    pairs = float(context + tokens)
+    p_tokens = p_context = 0
+    p_pairs = 0.0
+    for c in plan.chunks:
+        n, p = c.num_new_tokens, c.num_context_tokens
+        if c.is_prefill:
+            p_tokens, p_context, p_pairs = p_tokens + n, p_context + p, p_pairs + n * p + n * (n + 1) / 2
+        else:
+            tokens, context, pairs = tokens + n, context + p, pairs + n * p + n * (n + 1) / 2
+    return (tokens, context, pairs), (p_tokens, p_context, p_pairs)
 
 
 def _attn_flops_per_pair(m: ModelSpec) -> float:

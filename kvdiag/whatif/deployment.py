@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from kvdiag import capacity
 from kvdiag.capacity import DTYPE_BYTES
-from kvdiag.refpool.roofline import Roofline, StepCost
+from kvdiag.refpool.roofline import Roofline, StepCost, Work, work
 from kvdiag.refpool.types import StepPlan
 from kvdiag.refpool.scenarios import Deployment
 
@@ -46,19 +46,10 @@ class ScaledRoofline(Roofline):
         return super().batch_cost(round(tokens * k), round(context * k), pairs * k)
 
     def cost(self, plan: StepPlan) -> StepCost:
-        tokens, context = plan.decode_batch, plan.decode_context
-        pairs = float(context + tokens)
-        p_tokens = p_context = 0
-        p_pairs = 0.0
-        for c in plan.chunks:
-            n, p = c.num_new_tokens, c.num_context_tokens
-            if c.is_prefill:
-                p_tokens, p_context, p_pairs = p_tokens + n, p_context + p, p_pairs + n * p + n * (n + 1) / 2
-            else:
-                tokens, context, pairs = tokens + n, context + p, pairs + n * p + n * (n + 1) / 2
+        (tokens, context, pairs), prefill = work(plan)
         if not tokens:  # no decode to hide prefill behind: as it comes
-            return self.batch_cost(p_tokens, p_context, p_pairs)
-        return self._decoding(tokens, context, pairs, (p_tokens, p_context, p_pairs))
+            return self.batch_cost(*prefill)
+        return self._decoding(tokens, context, pairs, prefill)
 
     def batch_seconds(self, tokens: int, context: int, pairs: float) -> float:
         """A fast-forwarded decode step: no prefill of its own, the average beside it. (The
@@ -67,7 +58,7 @@ class ScaledRoofline(Roofline):
         neither reference engine offers such runs.)"""
         return self._decoding(tokens, context, pairs, (0, 0, 0.0)).seconds
 
-    def _decoding(self, tokens: int, context: int, pairs: float, prefill: tuple[int, int, float]) -> StepCost:
+    def _decoding(self, tokens: int, context: int, pairs: float, prefill: Work) -> StepCost:
         a = 1.0 / PREFILL_SMOOTHING_STEPS
         self._prefill = avg = tuple(m + a * (x - m) for m, x in zip(self._prefill, prefill))  # type: ignore[assignment]
         return self.batch_cost(tokens + round(avg[0]), context + round(avg[1]), pairs + avg[2])
