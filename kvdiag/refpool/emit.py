@@ -41,6 +41,11 @@ SGLANG_LENGTH_BUCKETS = (
 )  # fmt: skip
 
 
+#: The served context of an ``EngineState`` that names none: the reference vLLM scheduler's
+#: default (a module constant, not read off the dataclass: a compiled one has no class default).
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
 def vllm_length_buckets(max_model_len: int) -> tuple[float, ...]:
     """vLLM's ``request_tokens`` family: the 1-2-5 series up to ``max_model_len``
     (buckets.py ``build_1_2_5_buckets``@0.33.0), so its bounds move with the model's length."""
@@ -172,7 +177,7 @@ class EngineState:
     prompt_lengths: Binned = field(default_factory=_lengths)
     uncached_prompt_lengths: Binned = field(default_factory=_lengths)
     output_lengths: Binned = field(default_factory=_lengths)
-    max_model_len: int = 32768  # vLLM's length buckets run up to it (the reference scheduler's default)
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # vLLM's length buckets run up to it
     created: float = 1_795_952_340.0  # process start, for _created series
 
     def observe_finished(self, prompt: int, output: int, cached: int) -> None:
@@ -515,6 +520,7 @@ def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...],
             ("generation_tokens_histogram", "Histogram of generation token length.", total.output_lengths),
         ):
             w.histogram(P + name, help_text, SGLANG_LENGTH_BUCKETS, [(base, lengths, total.created)])
+    cached: list[tuple[dict[str, str], float, float]]
     if v >= (0, 5, 10):
         cached = [({**base, "cache_source": "device"}, total.prefix_hit_tokens_total, total.created)]
         if total.l2_capacity_tokens is not None:

@@ -196,7 +196,7 @@ class VLLMMetrics:
             capacity_tokens=(st.num_gpu_blocks - 1) * bs,
             block_size=bs,
             l2_capacity_tokens=st.cpu_offload_total_blocks * bs if st.cpu_offload_total_blocks else None,
-            max_model_len=getattr(scheduler, "max_model_len", EngineState.max_model_len),  # a PD wrapper: the default
+            max_model_len=getattr(scheduler, "max_model_len", emit.DEFAULT_MAX_MODEL_LEN),  # a PD wrapper: the default
             created=created,
         )
 
@@ -320,15 +320,15 @@ class Simulation:
         """The instance's exported numbers right now (at the engine's own cadence)."""
         return self.metrics.state
 
-    def exposition(self, dialect: str | None = None, openmetrics: bool = False, **kwargs: object) -> str:
+    def exposition(self, dialect: str | None = None, openmetrics: bool = False) -> str:
         """This instance rendered alone as its engine's /metrics body (see ``emit.render``;
         DP servers render several simulations' ``state()`` together)."""
         with self.lock:
-            return emit.render(self.engine, [self.state()], dialect=dialect, openmetrics=openmetrics, **kwargs)
+            return emit.render(self.engine, [self.state()], dialect=dialect, openmetrics=openmetrics)
 
     def ttft_quantile(self, q: float, since: float = 0.0, until: float = float("inf")) -> float | None:
         """Ground-truth TTFT quantile over requests whose first token came in [since, until)."""
-        v = [r.ttft for r in self.records if r.first_token is not None and since <= r.first_token < until]
+        v = [r.first_token - r.arrival for r in self.records if r.first_token is not None and since <= r.first_token < until]
         return float(np.quantile(v, q)) if v else None
 
     # -------------------------------------------------------------- internals
@@ -389,15 +389,18 @@ class Simulation:
             return False
         latched = run.queue_latched
         limit = t if latched or self._next is None else min(t, self._next.arrival)
-        starts, durations, waiting = [], [], []
+        starts: list[float] = []
+        durations: list[float] = []
+        waiting: list[int] = []
         now, context, n, joined = self.now, run.context_tokens, run.batch, False
-        current: DecodeRun | None = run
+        current = run
         while len(starts) < run.max_steps and now < limit:
             if latched and starts and self._admit_arrivals(now):
                 joined = True
-                current = offer()
-                if current is None:
+                renewed = offer()
+                if renewed is None:
                     break
+                current = renewed
             dt = self.batch_time(n, context, float(context + n))  # n one-token decodes: pairs = context + n
             starts.append(now)
             durations.append(dt)
@@ -421,6 +424,7 @@ class Simulation:
         state = self.metrics.state
         if r in self._unscheduled:
             self._unscheduled.discard(r)
+            assert r.first_scheduled is not None, "a request in a prefill chunk has been scheduled"
             state.queue_time.observe(r.first_scheduled - r.arrival)
         if r.first_token is not None and r in self._no_token:
             self._no_token.discard(r)

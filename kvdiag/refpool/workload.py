@@ -304,11 +304,13 @@ class _Stream:
         n = self.w.input_len.sample(self.len_rng)
         if not self.prefixes:
             return _tokens(self.tok_rng, n)
+        prefix = self.w.prefix
+        assert prefix is not None, "shared prefixes come from a SharedPrefix"
         if self.weights is None:  # uniform: what choice(n) draws, without its argument checks
             group = int(self.pick_rng.integers(0, len(self.prefixes)))
         else:
             group = int(self.pick_rng.choice(len(self.prefixes), p=self.weights))
-        return self.prefixes[group] + _tokens(self.tok_rng, max(1, round(n * (1 - self.w.prefix.share))))
+        return self.prefixes[group] + _tokens(self.tok_rng, max(1, round(n * (1 - prefix.share))))
 
     def _request(self, rid: str, t: float, prompt: tuple[int, ...]) -> SimRequest:
         out = self.w.output_len.sample(self.len_rng)
@@ -317,12 +319,16 @@ class _Stream:
 
     def _follow(self, req: SimRequest, left: int) -> None:
         if left > 0:
-            t = req.arrival + float(self.conv_rng.exponential(self.w.conversations.think_s))
+            conv = self.w.conversations
+            assert conv is not None, "only a conversation has turns left"
+            t = req.arrival + float(self.conv_rng.exponential(conv.think_s))
             heapq.heappush(self.pending, (t, next(self.seq), req, left))
 
     def _next_turn(self, t: float, _seq: int, prev: SimRequest, left: int) -> SimRequest:
+        conv = self.w.conversations
+        assert conv is not None, "only a conversation has a next turn"
         session, turn = prev.rid.rsplit(".t", 1)
-        new_input = _tokens(self.tok_rng, self.w.conversations.turn_input.sample(self.len_rng))
+        new_input = _tokens(self.tok_rng, conv.turn_input.sample(self.len_rng))
         req = self._request(f"{session}.t{int(turn) + 1}", t, prev.prompt + expected_output(prev) + new_input)
         self._follow(req, left - 1)
         return req

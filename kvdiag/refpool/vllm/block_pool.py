@@ -220,7 +220,8 @@ class BlockPool:
     def _walk(self, block_hashes: list[int], n: int) -> tuple[list[KVCacheBlock], int | None]:
         """``get_cached_block`` along ``block_hashes[:n]`` up to the first miss: (hits, the hash
         missed on, None where all n hit)."""
-        cached_map, hits = self.cached_block_hash_to_block, []
+        cached_map = self.cached_block_hash_to_block
+        hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[:n]:
             cached = cached_map.get(block_hash)
             if not cached:
