@@ -26,23 +26,6 @@ from kvdiag.refpool.vllm.offload import OffloadingConnector, OffloadingConnector
 from kvdiag.refpool.vllm.request import Request, RequestStatus
 
 
-class FCFSRequestQueue(deque[Request]):
-    """``sched/request_queue.py: FCFSRequestQueue`` (a deque of ``Request``)."""
-
-    def add_request(self, request: Request) -> None:
-        self.append(request)
-
-    def peek_request(self) -> Request:
-        return self[0]
-
-    def pop_request(self) -> Request:
-        return self.popleft()
-
-    def prepend_request(self, request: Request) -> None:
-        """Preempted requests go back to the front: they keep their FCFS position."""
-        self.appendleft(request)
-
-
 @dataclass(slots=True)
 class VLLMStats:
     """Everything the metric emitter needs for vLLM's exposition, sampled after a step (slotted:
@@ -143,10 +126,14 @@ class VLLMScheduler:
         )
         self.connector_prefix_cache_stats = PrefixCacheStats()
         self.requests: dict[str, Request] = {}
-        self.waiting = FCFSRequestQueue()
+        # vLLM's FCFSRequestQueue (sched/request_queue.py) is a deque of requests: add_request
+        # appends, peek_request is [0], pop_request popleft, prepend_request appendleft. A plain
+        # deque here, not a subclass: a mypyc-compiled subclass of deque is allocated at the
+        # size of a plain object, and deque's own fields then overwrite the heap.
+        self.waiting: deque[Request] = deque()
         # Waiting requests that hold blocks (an asynchronous load in flight or landed): vLLM's
         # kv_holding_waiting, drained before ``waiting``; the loads reported done, not yet seen.
-        self.kv_holding_waiting = FCFSRequestQueue()
+        self.kv_holding_waiting: deque[Request] = deque()
         self.finished_recving: set[str] = set()
         # Prefills whose remaining blocks an asynchronous load may not take (``_inflight_prefills``;
         # kept only with a connector, the only source of asynchronous loads).
@@ -171,7 +158,7 @@ class VLLMScheduler:
             raise ValueError(f"{req.rid}: output_len must be >= 1 (vLLM always samples a token)")
         request = Request(req, self.block_size, track_keys=self.moves_bytes)
         self.requests[req.rid] = request
-        self.waiting.add_request(request)
+        self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.kv_holding_waiting)
@@ -234,10 +221,10 @@ class VLLMScheduler:
                 queue = self.kv_holding_waiting or self.waiting
                 if not queue or len(self.running) == self.max_num_seqs:
                     break
-                request = queue.peek_request()
+                request = queue[0]
                 if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                     if request.request_id not in self.finished_recving:
-                        passed_over.appendleft(queue.pop_request())
+                        passed_over.appendleft(queue.popleft())
                         continue
                     self._finish_remote_load(request)
                 # Landed (vLLM tests num_computed_tokens > 0, the same but for a one-token prompt
@@ -269,9 +256,9 @@ class VLLMScheduler:
                     if adm.load_async:
                         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                         self._inflight_prefills.add(request)
-                        passed_over.appendleft(queue.pop_request())
+                        passed_over.appendleft(queue.popleft())
                         continue
-                queue.pop_request()
+                queue.popleft()
                 self.running.append(request)
                 if self.batch is not None:
                     self.batch.admitted(request)
@@ -426,7 +413,7 @@ class VLLMScheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.prepend_request(request)
+        self.waiting.appendleft(request)  # a preempted request keeps its FCFS position
 
     def _check_stop(self, request: Request) -> bool:
         """``sched/utils.py: check_stop``: EOS (ground-truth output_len) or a length cap."""
