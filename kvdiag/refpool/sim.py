@@ -27,7 +27,7 @@ import numpy as np
 from kvdiag.refpool import emit
 from kvdiag.refpool.emit import EngineState
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.types import BatchDecoding, DecodeRun, EngineScheduler, SimRequest, StepPlan
+from kvdiag.refpool.types import DecodeRun, EngineScheduler, SimRequest, StepPlan, batch_decoding
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
 EPOCH = 1_795_952_340.0  # simulated t = 0 as a Unix time, for _created series and recordings
@@ -268,8 +268,9 @@ class Simulation:
 
     def _start_engine(self) -> None:
         self.scheduler = self.make_scheduler()
-        if self.batch_time is not None and isinstance(self.scheduler, BatchDecoding):
-            self.scheduler.enable_batch_decode()
+        batch = batch_decoding(self.scheduler)
+        if self.batch_time is not None and batch is not None:
+            batch.enable_batch_decode()
         self.metrics = self.metrics_factory(self.scheduler, self.epoch + self.now)
         self._live: dict[SimRequest, None] = {}  # admitted, unfinished (ordered, for restart)
         self._unscheduled: set[SimRequest] = set()  # queue time not yet observed
@@ -305,8 +306,9 @@ class Simulation:
         """The engine process dies and a new one starts now: in-flight requests are lost
         (recorded with ``finished=None``), the pool is empty and every counter restarts at zero."""
         with self.lock:
-            if isinstance(self.scheduler, BatchDecoding):
-                self.scheduler.sync()
+            batch = batch_decoding(self.scheduler)
+            if batch is not None:
+                batch.sync()
             self.records.extend(RequestRecord.of(r) for r in self._live)
             self.restarts.append(self.now)
             self._start_engine()

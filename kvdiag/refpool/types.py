@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, cast
 
 import numpy as np
 
@@ -179,7 +179,6 @@ class FastForward(Protocol):
         ...
 
 
-@runtime_checkable
 class BatchDecoding(Protocol):
     """Optional extension of ``EngineScheduler``: one-token decodes accounted for the batch at
     once (``StepPlan.decode_batch``), each request's own fields brought up to date only where
@@ -193,6 +192,16 @@ class BatchDecoding(Protocol):
     def sync(self) -> None:
         """Bring every live request's fields (tokens, output) up to date, for a reader outside."""
         ...
+
+
+def batch_decoding(scheduler: object) -> BatchDecoding | None:
+    """``scheduler`` as a ``BatchDecoding`` where it has the protocol's methods, else None.
+
+    Asked of the methods, not by ``isinstance`` against a ``runtime_checkable`` protocol: mypyc
+    compiles a protocol class to a plain class, which ``typing`` then refuses to check against."""
+    if hasattr(scheduler, "enable_batch_decode") and hasattr(scheduler, "sync"):
+        return cast(BatchDecoding, scheduler)
+    return None
 
 
 class KVStore(Protocol):
