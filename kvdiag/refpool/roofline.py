@@ -13,6 +13,10 @@ is below the ridge point) and vLLM's mixed steps (both parts summed under one ma
 2 × the active parameters (the facts' worked numbers count it so); f_attn is QKᵀ plus AV per
 (query, key) pair; W(N) reads a MoE model's routed experts only as far as N tokens touch them.
 η_c, η_m, t_fixed and the link bandwidth are calibration assumptions, not engine facts.
+
+``ScaledRoofline`` times a scale model's step (whatif's 1/k replays) as the full-size step;
+it lives here, beside the class it extends, so that both compile together (mypyc: a class
+outside the compiled modules cannot extend a compiled one).
 """
 
 from __future__ import annotations
@@ -134,6 +138,62 @@ def work(plan: StepPlan) -> tuple[Work, Work]:
         else:
             tokens, context, pairs = tokens + n, context + p, pairs + n * p + n * (n + 1) / 2
     return (tokens, context, pairs), (p_tokens, p_context, p_pairs)
+
+
+#: Steps over which a scale model's prefill beside decodes is averaged (``ScaledRoofline``).
+PREFILL_SMOOTHING_STEPS = 64
+
+
+class ScaledRoofline(Roofline):
+    """The roofline of a full-size batch for a batch of a scale model: ``scale`` times the
+    tokens, context and pairs (a k-th of the load makes a k-th of each step's work).
+
+    Prefill that shares a step with decodes (vLLM's mixed batches) is timed at its running
+    average over the last ``PREFILL_SMOOTHING_STEPS`` decoding steps, not as it comes. The model
+    admits a k-th of the prompts, so its steps carry a whole prompt or none, each timed as k of
+    them, where the full-size engine spreads k times as many prompts over its steps; a step costs
+    the larger of compute and memory time, and a decode step's spare compute hides a full-size
+    step's share of prefill that a whole prompt times k does not fit in. Timed as it comes, the
+    model ran a fifth more congested than full size. Prefill-only steps (SGLang's) are timed as
+    they come. Stateful: one instance per engine loop."""
+
+    def __init__(
+        self,
+        scale: float,
+        model: ModelSpec | str,
+        gpu: GPUSpec | str = "h100",
+        tp: int = 1,
+        kv_dtype: str = "bf16",
+        weight_dtype: str = "bf16",
+        calibration: Calibration = Calibration(),
+    ) -> None:
+        super().__init__(model, gpu, tp, kv_dtype, weight_dtype, calibration)
+        self.scale = scale
+        self._prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)  # averaged tokens, context, pairs of prefill beside decodes
+
+    def batch_cost(self, tokens: int, context: int, pairs: float) -> StepCost:
+        k = self.scale
+        return super().batch_cost(round(tokens * k), round(context * k), pairs * k)
+
+    def cost(self, plan: StepPlan) -> StepCost:
+        (tokens, context, pairs), prefill = work(plan)
+        if not tokens:  # no decode to hide prefill behind: as it comes
+            return self.batch_cost(*prefill)
+        return self._decoding(tokens, context, pairs, prefill)
+
+    def batch_seconds(self, tokens: int, context: int, pairs: float) -> float:
+        """A fast-forwarded decode step: no prefill of its own, the average beside it. (The
+        engine loop may time a step it then takes one by one; the average then decays by one
+        more prefill-free step, which only engines that mix prefill into decode runs would feel:
+        neither reference engine offers such runs.)"""
+        return self._decoding(tokens, context, pairs, (0, 0, 0.0)).seconds
+
+    def _decoding(self, tokens: int, context: int, pairs: float, prefill: Work) -> StepCost:
+        a = 1.0 / PREFILL_SMOOTHING_STEPS
+        (m_tokens, m_context, m_pairs), (x_tokens, x_context, x_pairs) = self._prefill, prefill
+        avg = (m_tokens + a * (x_tokens - m_tokens), m_context + a * (x_context - m_context), m_pairs + a * (x_pairs - m_pairs))
+        self._prefill = avg
+        return self.batch_cost(tokens + round(avg[0]), context + round(avg[1]), pairs + avg[2])
 
 
 def _attn_flops_per_pair(m: ModelSpec) -> float:

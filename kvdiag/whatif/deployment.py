@@ -4,8 +4,8 @@ The catalogue's ``Deployment`` sizes its pool from the capacity model alone. A r
 incident must start from the pool the engine reported, and a remedy changes it by what the
 capacity model says the change buys (``Sized``). A scale model (``scale`` = k > 1) divides the
 pool by k (the arrivals are divided alike, ``whatif.scale``) while each step takes as long as
-the full-size step would (``ScaledRoofline``), so queueing and TTFT keep their magnitudes at a
-k-th of the simulation's cost.
+the full-size step would (``refpool.roofline.ScaledRoofline``), so queueing and TTFT keep their
+magnitudes at a k-th of the simulation's cost.
 """
 
 from __future__ import annotations
@@ -14,54 +14,8 @@ from dataclasses import dataclass, fields
 
 from kvdiag import capacity
 from kvdiag.capacity import DTYPE_BYTES
-from kvdiag.refpool.roofline import Roofline, StepCost, Work, work
-from kvdiag.refpool.types import StepPlan
+from kvdiag.refpool.roofline import Roofline, ScaledRoofline
 from kvdiag.refpool.scenarios import Deployment
-
-
-#: Steps over which a scale model's prefill beside decodes is averaged (``ScaledRoofline``).
-PREFILL_SMOOTHING_STEPS = 64
-
-
-class ScaledRoofline(Roofline):
-    """The roofline of a full-size batch for a batch of a scale model: ``scale`` times the
-    tokens, context and pairs (a k-th of the load makes a k-th of each step's work).
-
-    Prefill that shares a step with decodes (vLLM's mixed batches) is timed at its running
-    average over the last ``PREFILL_SMOOTHING_STEPS`` decoding steps, not as it comes. The model
-    admits a k-th of the prompts, so its steps carry a whole prompt or none, each timed as k of
-    them, where the full-size engine spreads k times as many prompts over its steps; a step costs
-    the larger of compute and memory time, and a decode step's spare compute hides a full-size
-    step's share of prefill that a whole prompt times k does not fit in. Timed as it comes, the
-    model ran a fifth more congested than full size. Prefill-only steps (SGLang's) are timed as
-    they come. Stateful: one instance per engine loop."""
-
-    def __init__(self, scale: float, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.scale = scale
-        self._prefill = (0.0, 0.0, 0.0)  # averaged tokens, context, pairs of prefill beside decodes
-
-    def batch_cost(self, tokens: int, context: int, pairs: float) -> StepCost:
-        k = self.scale
-        return super().batch_cost(round(tokens * k), round(context * k), pairs * k)
-
-    def cost(self, plan: StepPlan) -> StepCost:
-        (tokens, context, pairs), prefill = work(plan)
-        if not tokens:  # no decode to hide prefill behind: as it comes
-            return self.batch_cost(*prefill)
-        return self._decoding(tokens, context, pairs, prefill)
-
-    def batch_seconds(self, tokens: int, context: int, pairs: float) -> float:
-        """A fast-forwarded decode step: no prefill of its own, the average beside it. (The
-        engine loop may time a step it then takes one by one; the average then decays by one
-        more prefill-free step, which only engines that mix prefill into decode runs would feel:
-        neither reference engine offers such runs.)"""
-        return self._decoding(tokens, context, pairs, (0, 0, 0.0)).seconds
-
-    def _decoding(self, tokens: int, context: int, pairs: float, prefill: Work) -> StepCost:
-        a = 1.0 / PREFILL_SMOOTHING_STEPS
-        self._prefill = avg = tuple(m + a * (x - m) for m, x in zip(self._prefill, prefill))  # type: ignore[assignment]
-        return self.batch_cost(tokens + round(avg[0]), context + round(avg[1]), pairs + avg[2])
 
 
 @dataclass(frozen=True)
