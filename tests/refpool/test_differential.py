@@ -216,9 +216,7 @@ def sglang_trace(root: str, seed: int, steps: int = 3000, pool: int = 400) -> No
 
     rng = random.Random(seed)
     alloc = TokenToKVPoolAllocator(pool)
-    ref_freed: list[int] = []
-    free = alloc.free
-    alloc.free = lambda idx: (ref_freed.extend(idx), free(idx))[1]  # type: ignore[method-assign]
+    ref_freed: list[int] = []  # page size 1 frees join the free list's back, in the order freed
     ref, mock = RadixCache(alloc), MockAllocator()
     eng = engine.RadixCache.create_simulated(mock_allocator=mock)
     chains = [[rng.randrange(1000) for _ in range(40)] for _ in range(4)]
@@ -245,7 +243,9 @@ def sglang_trace(root: str, seed: int, steps: int = 3000, pool: int = 400) -> No
         need = len(key) - len(m_ref.device_indices)
         shortfall = need - alloc.available_size()
         if shortfall > 0:
+            listed = len(alloc._free)
             n_ref = ref.evict(shortfall)
+            ref_freed.extend(alloc._free[listed:])
             assert n_ref == eng.evict(EvictParams(num_tokens=shortfall)).num_tokens_evicted, f"step {step}: evict"
         slots = alloc.alloc(need)
         if slots is None:  # everything left is locked

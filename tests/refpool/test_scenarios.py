@@ -14,7 +14,6 @@ from kvdiag.engines import normalize_scrape
 from kvdiag.model import PoolSample
 from kvdiag.refpool.scenarios import SCENARIOS, ScenarioRun, get
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.sglang.stats import SGLangStats
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 from kvdiag.window import Window
 
@@ -50,19 +49,6 @@ def test_seed_timeline_on_a_tight_pool(engine: str) -> None:
     assert light is not None and heavy is not None and heavy > 10 * light
 
 
-def _spy_reports(scheduler: SGLangScheduler, into: list[SGLangStats]) -> None:
-    """Keep every report SGLang publishes (what its gauges were set from)."""
-    take = scheduler.take_report
-
-    def spy() -> SGLangStats | None:
-        report = take()
-        if report is not None:
-            into.append(report)
-        return report
-
-    scheduler.take_report = spy  # type: ignore[method-assign]
-
-
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_emitted_metrics_read_back_as_the_pool_counts(engine: str) -> None:
     """What kvdiag's adapters read equals the pool's own numbers through the engine's convention:
@@ -70,9 +56,6 @@ def test_emitted_metrics_read_back_as_the_pool_counts(engine: str) -> None:
     last published report; vLLM usage = 1 - free / (N - 1), evictable blocks counted as free."""
     run = ScenarioRun(replace(get("l1-saturation"), duration=120.0), engine)
     sched = run.sims[0].scheduler
-    reports: list[SGLangStats] = []
-    if isinstance(sched, SGLangScheduler):
-        _spy_reports(sched, reports)
     checked = 0
     for t, scrape in run.scrapes(5.0):
         (sample,) = normalize_scrape(scrape, engine)
@@ -86,7 +69,9 @@ def test_emitted_metrics_read_back_as_the_pool_counts(engine: str) -> None:
             assert sample.evictions_total == st.num_preemptions_total
             assert sample.prefix_hit_tokens_total == st.prefix_cache_hits_total
         else:
-            rep = reports[-1]
+            assert isinstance(sched, SGLangScheduler)
+            rep = sched.last_report  # what its gauges were last set from
+            assert rep is not None
             total = rep.max_total_num_tokens
             assert sample.usage_ratio == round((total - rep.kv_available_tokens - rep.kv_evictable_tokens) / total, 2)
             assert (sample.used_tokens, sample.evictable_tokens) == (rep.kv_used_tokens, rep.kv_evictable_tokens)

@@ -52,7 +52,7 @@ class TokenToKVPoolAllocator:
         # the padding page 0 is never free.
         self._numbers = np.arange(-1, self.num_pages, dtype=np.int64)
         self._numbers[0] = _TAKEN
-        self._number = memoryview(self._numbers)  # the same, read page by page as Python ints
+        self._number = self._numbers.data  # the same, read page by page as Python ints
         self._front = 0  # number of the free list's front page
         self._group: list[int] | None = None  # pages freed inside an open free group, in order
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
 from kvdiag.refpool.types import KVStore
@@ -84,6 +86,9 @@ class HostKVCache:
         return 0 <= slot < self.size and bool(self._owned[slot])
 
 
+# Compiled (refpool/native.py), a class is closed to subclasses outside the compiled modules
+# unless it says otherwise: the eviction-heap test subclasses this one with SGLang's own evict.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HiRadixCache(RadixCache):
     """Radix tree whose nodes can be backed up to, demoted to, and loaded back from host."""
 
@@ -119,8 +124,8 @@ class HiRadixCache(RadixCache):
         """Poll the acks (``writing_check`` / ``loading_check``): every copy issued so far has
         completed, so each node locked for one is unlocked; a loaded node becomes a host
         duplicate, deepest first (``finish_load_back`` walks from the anchor to the root)."""
-        for node in self.ongoing_write_through:
-            self.dec_lock_ref(node)
+        for written in self.ongoing_write_through:
+            self.dec_lock_ref(written)
         for anchor in self.ongoing_load_back:
             self.dec_lock_ref(anchor)
             node: TreeNode | None = anchor

@@ -103,9 +103,10 @@ def check_scheduler_invariants(s: SGLangScheduler) -> None:
         _require(r.cache_protected_len % ps == 0, f"{r.sim.rid} cache_protected_len not page-aligned")
         path: list[int] = []
         node = r.last_node
-        while node is not tree.root_node:
-            path[:0] = node.value  # type: ignore[arg-type]
-            node = node.parent  # type: ignore[assignment]
+        while node is not None and node is not tree.root_node:
+            assert node.value is not None, "a locked path is device-resident"
+            path[:0] = node.value
+            node = node.parent
         _require(path == r.kv_indices[: r.cache_protected_len], f"{r.sim.rid} row disagrees with its tree path")
         own = r.owned_private_slots(ps)
         _require(len(own) == r.private_tokens(ps), f"{r.sim.rid} private slot count")

@@ -66,7 +66,7 @@ class NewTokenRatioTracker:
         self.current = self.init
 
 
-def running_output_offset(remaining: Sequence[int], in_full: Sequence[bool], ratio: float) -> float:
+def running_output_offset(remaining: Sequence[int] | np.ndarray, in_full: Sequence[bool] | np.ndarray, ratio: float) -> float:
     """``sum(_get_running_request_total_token_offset(r) for r in running)``: each running
     request's remaining output clipped at 4096, times the ratio (in full with ignore_eos).
 
@@ -85,8 +85,8 @@ class PrefillBudget:
     def __init__(self, tree_cache: RadixCache, num_mixed_decode_tokens: int = 0) -> None:
         self.tree_cache = tree_cache
         self.page_size = tree_cache.page_size
-        self.total_offset: float = num_mixed_decode_tokens
-        self.current_offset: float = num_mixed_decode_tokens
+        self.total_offset = float(num_mixed_decode_tokens)
+        self.current_offset = float(num_mixed_decode_tokens)
 
     def ceil_paged_tokens(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size

@@ -24,6 +24,8 @@ import itertools
 from dataclasses import dataclass, field
 from collections.abc import Hashable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.types import KVStore, NullStore
 
@@ -65,6 +67,7 @@ class MatchResult:
     host_hit_length: int = 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # as HiRadixCache, its subclass (hicache.py)
 class RadixCache:
     """Prefix tree with lock_ref and the protected / evictable counters."""
 
@@ -267,7 +270,7 @@ class RadixCache:
 
     def total_size(self) -> int:
         """Device tokens held by the tree (recounted by walking it)."""
-        return sum(len(n.value) for n in self.iter_nodes() if not n.evicted)  # type: ignore[arg-type]
+        return sum(len(n.value) for n in self.iter_nodes() if n.value is not None)
 
     def iter_nodes(self) -> list[TreeNode]:
         """Every node except the root."""

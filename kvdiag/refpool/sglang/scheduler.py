@@ -44,7 +44,7 @@ from kvdiag.refpool.sglang.schedule_batch import (
     release_kv_cache,
 )
 from kvdiag.refpool.sglang.stats import SchedulerCounters, SGLangStats
-from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
+from kvdiag.refpool.types import DecodeRun, KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
 
 
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
@@ -112,6 +112,7 @@ class SGLangScheduler:
         self.reqs: dict[SimRequest, Req] = {}  # live requests by their SimRequest (for callers)
         self._aborted: list[Req] = []
         self._report: SGLangStats | None = None
+        self.last_report: SGLangStats | None = None  # the gauges as last published (kept past take_report)
         self.counters = SchedulerCounters()
         self.num_retracted_reqs = 0  # gauge: size of the last retraction since the last report
         self.cache_hit_rate = 0.0
@@ -283,7 +284,7 @@ class SGLangScheduler:
             self._running_output_offset() if self.batch_decode else None,
         )  # fmt: skip
         continuing = self.chunked_req is not None  # its chunk heads can_run_list; it is not queued
-        if continuing:
+        if self.chunked_req is not None:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         blocked_on_kv: bool | None = None  # why the queue stopped, if it did
         for req in self.waiting_queue:
@@ -531,11 +532,11 @@ class SGLangScheduler:
             load_back_tokens_total=hi.load_back_tokens_total if hi else None,
             hicache_backup_tokens_total=hi.backup_tokens_total if hi else None,
             hicache_dropped_tokens_total=hi.dropped_tokens_total if hi else None,
-            **vars(self.counters),  # plain int fields: a shallow copy is asdict's result
+            **self.counters.values(),
         )
 
     def _snapshot_report(self) -> None:
-        self._report = self.stats()
+        self._report = self.last_report = self.stats()
         self.num_retracted_reqs = 0  # the last-retraction gauge is reset after each report
 
     def take_report(self) -> SGLangStats | None:
@@ -553,8 +554,11 @@ class SGLangScheduler:
         check_scheduler_invariants(self)
 
     # types.FastForward: runs of identical decode steps at once (sglang/fast_forward.py)
-    decode_run = fast_forward.decode_run
-    advance_decode = fast_forward.advance_decode
+    def decode_run(self) -> DecodeRun | None:
+        return fast_forward.decode_run(self)
+
+    def advance_decode(self, steps: int) -> list[int]:
+        return fast_forward.advance_decode(self, steps)
 
     # ---- types.BatchDecoding
     def enable_batch_decode(self) -> None:
