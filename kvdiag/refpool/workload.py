@@ -24,7 +24,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from kvdiag.refpool.types import SimRequest, output_ids, prefix_keys
+from kvdiag.refpool.types import SimRequest, output_ids, pickle_by_fields, prefix_keys
 
 _VOCAB = 1 << 17  # token ids drawn in [0, _VOCAB); user-visible tokens stay below the output ids
 
@@ -119,7 +119,10 @@ class Periodic:
             raise ValueError(f"rate must be > 0, got {self.rate}")
 
     def times(self, rng: np.random.Generator) -> Iterator[float]:
-        return (k / self.rate for k in itertools.count(1))
+        # A generator function, not a returned generator expression: mypyc builds such an
+        # expression as a list, which over an endless count never returns (and fills memory).
+        for k in itertools.count(1):
+            yield k / self.rate
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,9 @@ class Workload:
     def requests(self) -> Iterator[SimRequest]:
         """Requests in arrival order, generated lazily (follow-up turns wait in a small heap)."""
         return _Stream(self).run()
+
+
+pickle_by_fields(Fixed, Uniform, LogNormal, Poisson, Periodic, Bursty, EveryKth, Ramp, SharedPrefix, Conversations, Workload)
 
 
 class _Stream:
