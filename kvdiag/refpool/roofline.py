@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvdiag import capacity
 from kvdiag.capacity import DTYPE_BYTES, GPUSpec, ModelSpec
-from kvdiag.refpool.types import StepPlan
+from kvdiag.refpool.types import StepPlan, pickle_by_fields
 
 ACT_BYTES = 2  # bf16 activations on the all-reduce wire
 
@@ -58,6 +58,9 @@ class StepCost:
     @property
     def compute_bound(self) -> bool:
         return self.t_compute >= self.t_memory
+
+
+pickle_by_fields(Calibration, StepCost)
 
 
 class Roofline:

@@ -27,8 +27,9 @@ import numpy as np
 from kvdiag.refpool import emit
 from kvdiag.refpool.emit import EngineState
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
-from kvdiag.refpool.types import DecodeRun, EngineScheduler, SimRequest, StepPlan, batch_decoding
-from kvdiag.refpool.vllm.scheduler import VLLMScheduler
+from kvdiag.refpool.sglang.stats import SGLangStats
+from kvdiag.refpool.types import DecodeRun, EngineScheduler, SimRequest, StepPlan, batch_decoding, pickle_by_fields
+from kvdiag.refpool.vllm.scheduler import VLLMScheduler, VLLMStats
 
 EPOCH = 1_795_952_340.0  # simulated t = 0 as a Unix time, for _created series and recordings
 
@@ -127,6 +128,9 @@ class PoolTruth:
     waiting: int
 
 
+pickle_by_fields(PoolTruth)
+
+
 class EngineMetrics(Protocol):
     """Keeps one ``EngineState`` as the engine would export it, from the scheduler's stats."""
 
@@ -141,6 +145,24 @@ class EngineMetrics(Protocol):
 MetricsFactory = Callable[[EngineScheduler, float], EngineMetrics]  # (scheduler, created) -> hook
 
 
+class SGLangReporting(Protocol):
+    """What ``SGLangMetrics`` reads of a scheduler: the reference SGLang scheduler's, or those of
+    a wrapper that reports for one (a PD decode instance). A protocol, not the class, so that a
+    compiled hook takes a wrapper too (mypyc checks a class-typed argument's type)."""
+
+    def stats(self) -> SGLangStats: ...
+
+    def take_report(self) -> SGLangStats | None: ...
+
+    def has_work(self) -> bool: ...
+
+
+class VLLMReporting(Protocol):
+    """What ``VLLMMetrics`` reads of a scheduler (``SGLangReporting`` says why a protocol)."""
+
+    def stats(self) -> VLLMStats: ...
+
+
 class SGLangMetrics:
     """SGLang's cadence: scheduler gauges only when a prefill batch is formed, every
     ``decode_log_interval`` decode steps and when idle (the scheduler's ``take_report``);
@@ -148,7 +170,7 @@ class SGLangMetrics:
 
     engine = "sglang"
 
-    def __init__(self, scheduler: SGLangScheduler, created: float) -> None:
+    def __init__(self, scheduler: SGLangReporting, created: float) -> None:
         self.scheduler = scheduler
         st = self.stats = scheduler.stats()  # as the last on_step read them (hooks beside it reuse them)
         self.state = EngineState(
@@ -188,7 +210,7 @@ class VLLMMetrics:
 
     engine = "vllm"
 
-    def __init__(self, scheduler: VLLMScheduler, created: float) -> None:
+    def __init__(self, scheduler: VLLMReporting, created: float) -> None:
         self.scheduler = scheduler
         st = self.stats = scheduler.stats()  # as the last on_step read them (hooks beside it reuse them)
         bs = st.block_size

@@ -8,9 +8,10 @@ what the pool really did. Everything here is engine-neutral; the engine sides li
 
 from __future__ import annotations
 
+import copyreg
 import zlib
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence, cast
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -43,6 +44,21 @@ def output_ids(rid: str, n: int) -> list[int]:
     x *= _MIX2
     x ^= x >> np.uint64(31)
     return ((x & np.uint64(0xFFFFFF)) + np.uint64(1_000_000)).tolist()
+
+
+def pickle_by_fields(*classes: type) -> None:
+    """Pickle these frozen dataclasses as a call of their constructor on their fields.
+
+    Worker processes (validate's scenarios, whatif's replays) receive workloads and return
+    records pickled. A mypyc-compiled class restores a pickled instance by setting its
+    attributes one by one, which a frozen dataclass's ``__setattr__`` refuses; registered with
+    ``copyreg``, the pure and the compiled build pickle alike."""
+    for cls in classes:
+        copyreg.pickle(cls, _by_fields)
+
+
+def _by_fields(obj: Any) -> tuple[type, tuple[object, ...]]:
+    return type(obj), tuple(getattr(obj, f.name) for f in fields(obj))
 
 
 def prefix_keys(tokens: Sequence[int], start_key: int = 0) -> list[int]:
@@ -165,6 +181,9 @@ class DecodeRun:
     #: ``batch_is_full``): requests arriving during the run join it and change nothing else,
     #: unless ``add_request`` rejects one, which withdraws the offer.
     queue_latched: bool = False
+
+
+pickle_by_fields(DecodeRun)
 
 
 class FastForward(Protocol):
