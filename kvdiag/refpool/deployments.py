@@ -43,6 +43,7 @@ from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
 from kvdiag.refpool.sim import EngineMetrics, MetricsFactory, PoolTruth, SGLangMetrics, VLLMMetrics, default_metrics
 from kvdiag.refpool.types import EngineScheduler, SimRequest, StepPlan
+from kvdiag.refpool.vllm.request import Request
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 
 if TYPE_CHECKING:  # scenarios.py imports this module
@@ -386,21 +387,19 @@ class LMCacheWorker(_Wrapped):
         self._last_log = 0.0
         self._at_log = (0, 0, 0, 0)  # lookup tokens, lookup hits, requested, hit at the last log
         self._looked_up: set[str] = set()
-        conn = inner.connector  # type: ignore[attr-defined]
-        lookup, after_alloc = conn.get_num_new_matched_tokens, conn.update_state_after_alloc
+        self.connector = inner.connector  # type: ignore[attr-defined]
+        self.connector.observer = self  # vllm.offload.LookupObserver
 
-        def counted_lookup(request, num_computed_tokens: int) -> tuple[int, bool]:  # noqa: ANN001 (the reference's Request)
-            if request.request_id not in self._looked_up:
-                self._looked_up.add(request.request_id)
-                self.lmcache.lookup_tokens_total += request.num_tokens
-                self.lmcache.lookup_hits_total += conn.manager.lookup(request.block_hashes) * conn.block_size
-            return lookup(request, num_computed_tokens)
+    def looked_up(self, request: Request) -> None:
+        """LMCache's lookup: counted once per request until it is allocated (see the class)."""
+        if request.request_id not in self._looked_up:
+            self._looked_up.add(request.request_id)
+            self.lmcache.lookup_tokens_total += request.num_tokens
+            self.lmcache.lookup_hits_total += self.connector.manager.lookup(request.block_hashes) * self.connector.block_size
 
-        def uncached(request, *args: object) -> None:  # noqa: ANN001
-            self._looked_up.discard(request.request_id)
-            after_alloc(request, *args)
-
-        conn.get_num_new_matched_tokens, conn.update_state_after_alloc = counted_lookup, uncached
+    def allocated(self, request: Request) -> None:
+        """Scheduled: its next lookup (after a preemption) counts again."""
+        self._looked_up.discard(request.request_id)
 
     def schedule(self, now: float) -> StepPlan:
         plan = self.inner.schedule(now)

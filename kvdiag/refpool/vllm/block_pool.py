@@ -16,8 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvdiag.refpool.vllm.request import Request
+
+class HashedRequest(Protocol):
+    """What ``cache_full_blocks`` reads of a request: its id and its blocks' chained hashes
+    (vLLM's ``Request``, or a stand-in with these two attributes: a protocol, not the class,
+    so that a compiled pool does not refuse one)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> list[int]: ...
 
 
 @dataclass(eq=False, repr=False, slots=True)
@@ -243,7 +254,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        request: Request,
+        request: HashedRequest,
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,

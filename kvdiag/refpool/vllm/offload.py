@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvdiag.refpool.types import KVStore
 from kvdiag.refpool.vllm.block_pool import KVCacheBlock
@@ -176,6 +177,18 @@ class OffloadingConnectorMetadata:
         return sum(len(j.block_hashes) for j in self.reqs_to_store)
 
 
+class LookupObserver(Protocol):
+    """Told of the connector's scheduler-side calls before it acts on them: a request's lookup
+    (``get_num_new_matched_tokens``) and the allocation that follows it
+    (``update_state_after_alloc``). An LMCache worker counts its lookups so
+    (``deployments.LMCacheWorker``); an observer, not wrapped methods, because a compiled
+    connector's methods cannot be replaced."""
+
+    def looked_up(self, request: Request) -> None: ...
+
+    def allocated(self, request: Request) -> None: ...
+
+
 class OffloadingConnector:
     """Scheduler- and worker-side halves of the native CPU offloading connector."""
 
@@ -198,12 +211,15 @@ class OffloadingConnector:
         # Index of the next block of each request to offload; survives preemption (already
         # stored blocks are not stored again), dropped when the request finishes.
         self._next_stored_block_idx: dict[str, int] = {}
+        self.observer: LookupObserver | None = None
 
     # ---- scheduler side ----
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond the (block-aligned) local GPU hit that are ready on CPU, and whether
         they load asynchronously."""
+        if self.observer is not None:
+            self.observer.looked_up(request)
         block_hashes = request.block_hashes
         self.manager.touch(block_hashes)
         full_block_tokens = len(block_hashes) * self.block_size
@@ -239,6 +255,8 @@ class OffloadingConnector:
         """Queue the H->D copy into the GPU blocks ``allocate_slots`` just allocated and pin the
         CPU source blocks: those past the local hit (vLLM finds them by position, or as the blocks
         not hashed yet for an asynchronous load, whose caching is delayed: the same blocks)."""
+        if self.observer is not None:
+            self.observer.allocated(request)
         if num_external_tokens == 0:
             return
         start = num_local_computed_tokens // self.block_size
