@@ -170,6 +170,8 @@ class ScaledRoofline(Roofline):
         weight_dtype: str = "bf16",
         calibration: Calibration = Calibration(),
     ) -> None:
+        """``scale`` = k, then ``Roofline``'s own arguments (the full-size deployment's), spelled
+        out: mypyc miscompiles ``*args, **kwargs`` passed on to a compiled ``__init__``."""
         super().__init__(model, gpu, tp, kv_dtype, weight_dtype, calibration)
         self.scale = scale
         self._prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)  # averaged tokens, context, pairs of prefill beside decodes
