@@ -4,17 +4,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 KVDIAG := $(VENV)/bin/kvdiag
-# Two installs: the light one is what kvdiag itself needs (the demo); the full one adds the
-# test tools and torch, which only the reference pool's storage tests use.
+# Two installs: the light one is what kvdiag itself needs (the demo) and mypy, which compiles the
+# reference pool (scripts/build-native.py); the full one adds the test tools and torch, which only
+# the reference pool's storage tests use.
 LIGHT := $(VENV)/.installed-light
 FULL := $(VENV)/.installed-full
 
-.PHONY: demo test setup system-deps generate bench clean
+.PHONY: demo test setup system-deps native generate bench clean
 
 $(LIGHT): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[native]'
 	touch $@
 
 # The torch extra pins the CPU build (torch==2.13.0+cpu, a local wheel on the project's
@@ -30,10 +31,17 @@ setup: $(FULL)
 system-deps:
 	bash scripts/system-deps.sh
 
+# The reference pool's compiled build (kvdiag/refpool/native.py): the script returns at once when
+# the build on disk is current. The demo runs from source where it cannot compile (no C compiler);
+# the tests need it (tests/refpool/test_native.py fails under CI without it).
+native: $(LIGHT)
+	$(PY) scripts/build-native.py
+
 demo: $(LIGHT)
+	-$(PY) scripts/build-native.py
 	$(KVDIAG) demo
 
-test: $(FULL) system-deps
+test: $(FULL) system-deps native
 	bash scripts/engine-src.sh .cache/engine-src
 	bash scripts/oracle-env.sh .cache/oracle-venv
 	KVDIAG_ENGINE_SRC=$(CURDIR)/.cache/engine-src $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
@@ -41,8 +49,9 @@ test: $(FULL) system-deps
 generate: $(LIGHT)
 	$(KVDIAG) render
 
-bench: $(LIGHT)
+bench: native
 	$(PY) bench/bench_exposition.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .cache/native-build kvdiag/refpool/native.json
+	find kvdiag -name '*.so' -delete

@@ -8,8 +8,11 @@ state (not timed), then runs ``--seconds`` simulated seconds (timed). Each engin
 one run: step by step (the baseline: the path the oracle differential and debug runs take, one
 ``schedule`` / ``update_from_output`` with a chunk per running request per step) and fast
 (what ``Simulation`` does given a batch step time: batch-level decode accounting and the
-exact decode-run fast-forward), and the ratio is printed. Goal (issue 18): 360 simulated s per
-wall s, a one-hour ``kvdiag whatif`` (calibration + five remedies) in a minute on 2 cores.
+exact decode-run fast-forward), and the ratio is printed. With the compiled build in use
+(kvdiag/refpool/native.py), the fast figure is also taken in the pure build (the same sources,
+not compiled) in a child process of the same run, and that ratio is printed too. Goal (issue 18):
+360 simulated s per wall s, a one-hour ``kvdiag whatif`` (calibration + five remedies) in a
+minute on 2 cores.
 
 Where the rest goes: every request, whatever the scheduler does, has to be drawn, get its
 answer's token ids, be looked up in the prefix cache, take slots, be cached when it finishes
@@ -18,7 +21,7 @@ all); at 50 req/s that alone bounds the speed (at 360x the whole budget is 55 us
 The pool operations: SGLang's radix tree (match_prefix + insert + lock/unlock, with LRU
 eviction) and vLLM's block pool (get_new_blocks + cache + touch + free_blocks), per second.
 
-Usage: .venv/bin/python bench/bench_refpool.py [--seconds 60] [--warmup 40] [--engine sglang|vllm]
+Usage: .venv/bin/python bench/bench_refpool.py [--seconds 60] [--warmup 40] [--engine sglang|vllm] [--fast-only]
 Last line: JSON with the figures.
 """
 
@@ -30,6 +33,7 @@ import json
 import random
 import time
 
+from builds import in_pure_build, this_build
 from kvdiag.refpool.roofline import Roofline
 from kvdiag.refpool.sglang.allocator import TokenToKVPoolAllocator
 from kvdiag.refpool.sglang.radix_cache import RadixCache
@@ -155,10 +159,15 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="simulated seconds timed (default 60)")
     p.add_argument("--warmup", type=float, default=40.0, help="simulated seconds before timing (default 40)")
     p.add_argument("--engine", action="append", choices=("sglang", "vllm"), help="engine(s) to time (default both)")
+    p.add_argument("--fast-only", action="store_true", help="time the fast pool only (the pure build's side of a run)")
     args = p.parse_args()
-    out: dict[str, object] = {"pool_tokens": POOL_TOKENS, "rate": RATE}
+    build = this_build()
+    out: dict[str, object] = {"pool_tokens": POOL_TOKENS, "rate": RATE, "build": build}
     tune_gc()  # as `kvdiag simulate` and `kvdiag validate` run
     engines = args.engine or ("sglang", "vllm")
+    if args.fast_only:
+        print(json.dumps(out | {e: engine_speed(e, args.warmup, args.seconds, fast=True) for e in engines}))
+        return
     for engine in engines:
         base = engine_speed(engine, args.warmup, args.seconds, fast=False)
         r = engine_speed(engine, args.warmup, args.seconds, fast=True)
@@ -166,10 +175,15 @@ def main() -> None:
         r["speedup"] = r["sim_per_wall"] / base["sim_per_wall"]
         out[engine] = r
         print(
-            f"{engine}: {r['sim_per_wall']:.1f} simulated s per wall s in steady state ({r['steps_per_s']:.0f} steps/s, "
+            f"{engine} ({build}): {r['sim_per_wall']:.1f} simulated s per wall s in steady state ({r['steps_per_s']:.0f} steps/s, "
             f"{r['running']:.0f} running), {r['sim_per_wall_from_empty']:.1f} from an empty pool; "
             f"{r['speedup']:.2f}x the step-by-step pool in the same run ({base['sim_per_wall']:.1f})"
         )
+        if build == "compiled":
+            pure = in_pure_build(__file__, ["--fast-only", "--engine", engine, "--seconds", str(args.seconds), "--warmup", str(args.warmup)])
+            pure_speed = pure[engine]["sim_per_wall"]  # type: ignore[index]
+            r["pure_sim_per_wall"], r["compiled_speedup"] = pure_speed, r["sim_per_wall"] / pure_speed
+            print(f"  the pure build, same run: {pure_speed:.1f} simulated s per wall s ({r['compiled_speedup']:.2f}x compiled)")
     for engine in engines:
         r = out[engine]
         t_draw, t_path = request_path_seconds(engine)

@@ -14,11 +14,15 @@ sides' simulated requests, as the what-if pairs compare). An hour at full size i
 the pool's speed here it takes about an hour; the baseline's simulated seconds per wall second
 say how long.
 
+With the compiled build in use (kvdiag/refpool/native.py), the window's replays are timed
+again in the pure build (the same sources, not compiled) in a child process of the same run,
+on the same fitted window, and the ratio is printed.
+
 The incident's windows can be kept (``--incident FILE``: read when it exists, written when not),
 so a rerun against changed replay code skips the full-size hour; delete the file when the
 reference engine changes what it emits.
 
-Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale 8] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE]
+Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale 8] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE] [--window-only]
 Last line: JSON with the figures.
 """
 
@@ -28,9 +32,11 @@ import argparse
 import json
 import os
 import pickle
+import tempfile
 import time
 from pathlib import Path
 
+from builds import in_pure_build, this_build
 from kvdiag.checks import diagnose
 from kvdiag.config import Config
 from kvdiag.refpool.scenarios import Deployment, Scenario
@@ -121,15 +127,30 @@ def main() -> None:
     p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"))
     p.add_argument("--incident", type=Path, metavar="FILE",
                    help="keep the one-hour incident's window here: read when it exists, written when not")  # fmt: skip
+    p.add_argument("--window-only", action="store_true", help="the window's replays only (the pure build's side of a run)")
     args = p.parse_args()
     tune_gc()
     config = Config()
+    build = this_build()
+    print(f"reference pool: {build}", flush=True)
+    keep = args.incident or Path(tempfile.mkdtemp()) / "incident.pkl"  # the pure side reads it
     out = {
         "engine": args.engine,
         "jobs": args.jobs,
-        "baseline": whatif(args.baseline_minutes, args.engine, (args.scale, 1.0), args.jobs, config) if args.baseline_minutes > 0 else None,
-        "window": whatif(args.minutes, args.engine, (args.scale,), args.jobs, config, args.incident),
-    }
+        "build": build,
+        "baseline": None if args.window_only or args.baseline_minutes <= 0 else
+        whatif(args.baseline_minutes, args.engine, (args.scale, 1.0), args.jobs, config),
+        "window": whatif(args.minutes, args.engine, (args.scale,), args.jobs, config, keep),
+    }  # fmt: skip
+    if build == "compiled" and not args.window_only:
+        argv = ["--window-only", "--minutes", str(args.minutes), "--scale", str(args.scale), "--engine", args.engine,
+                "--jobs", str(args.jobs), "--incident", str(keep)]  # fmt: skip
+        print("the same replays in the pure build:", flush=True)
+        pure = in_pure_build(__file__, argv)["window"]
+        wall, pure_wall = (w[f"wall_s_scale_{args.scale:g}"] for w in (out["window"], pure))  # type: ignore[index]
+        out["pure_window"] = pure
+        out["compiled_speedup"] = round(pure_wall / wall, 2)
+        print(f"  wall {pure_wall:.0f}s in the pure build: {out['compiled_speedup']:.2f}x compiled", flush=True)
     print(json.dumps(out))
 
 

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from kvdiag.refpool.types import NullStore, SimRequest, StepPlan
 from tests.refpool.lockstep import lockstep_step
-from kvdiag.refpool.vllm.batch_decode import BatchDecode
 from kvdiag.refpool.vllm.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, cdiv
 from kvdiag.refpool.vllm.offload import CPUOffloadingManager, OffloadingConnector
@@ -182,15 +181,12 @@ def test_prefix_hit_full_blocks_only_capped_at_num_tokens_minus_one() -> None:
     assert off.get_computed_blocks(req("h", a_prompt)) == ([], 0)
 
 
-def test_repeated_lookup_is_the_walk_through_evictions_and_new_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_repeated_lookup_is_the_walk_through_evictions_and_new_copies() -> None:
     """A blocked head's lookup, repeated every step, is remembered (no second walk) and stays
     exactly the walk's answer: its last hit evicted, a first copy evicted behind a second one,
     another request looked up in between, the hash it missed on cached."""
     pool = BlockPool(16)
     kv = KVCacheManager(pool)
-    walks: list[int] = []
-    walk = pool._walk
-    monkeypatch.setattr(pool, "_walk", lambda h, n: walks.append(n) or walk(h, n))
     a, twin, head = req("a", toks(0, 64)), req("twin", toks(0, 64)), req("head", toks(0, 64))
     kv.allocate_slots(a, 64)  # blocks 1-4, all cached
     kv.allocate_slots(twin, 32)  # blocks 5, 6: second copies of a's first two
@@ -203,18 +199,18 @@ def test_repeated_lookup_is_the_walk_through_evictions_and_new_copies(monkeypatc
     def lookup() -> list[int]:
         return ids(kv.get_computed_blocks(head)[0])
 
-    assert lookup() == walked() == [1, 2, 3] and walks == [3]
-    assert lookup() == [1, 2, 3] and walks == [3]  # remembered
+    assert lookup() == walked() == [1, 2, 3] and pool.walks == 1
+    assert lookup() == [1, 2, 3] and pool.walks == 1  # remembered
     held = pool.get_new_blocks(10)  # 7-15 and 4 (cached, past the lookup's cap)
-    assert lookup() == walked() == [1, 2, 3] and walks == [3]
+    assert lookup() == walked() == [1, 2, 3] and pool.walks == 1
     pool.get_new_blocks(1)  # block 3: no other copy of its hash, the walk stops there
-    assert lookup() == walked() == [1, 2] and walks == [3]
+    assert lookup() == walked() == [1, 2] and pool.walks == 1
     pool.get_new_blocks(1)  # block 2: the twin's copy comes first now
-    assert lookup() == walked() == [1, 6] and walks == [3]
-    assert ids(kv.get_computed_blocks(twin)[0]) == [1, 6] and walks == [3, 3]  # another request
-    assert lookup() == [1, 6] and walks == [3, 3, 3]
+    assert lookup() == walked() == [1, 6] and pool.walks == 1
+    assert ids(kv.get_computed_blocks(twin)[0]) == [1, 6] and pool.walks == 2  # another request
+    assert lookup() == [1, 6] and pool.walks == 3
     pool.cache_full_blocks(head, held, 0, 3, 16)  # new copies, one of the hash it missed on
-    assert lookup() == walked() == [1, 6, held[2].block_id] and walks == [3, 3, 3, 3]
+    assert lookup() == walked() == [1, 6, held[2].block_id] and pool.walks == 4
     pool.check_invariants()
 
 
@@ -766,14 +762,19 @@ def pool_state(s: VLLMScheduler) -> tuple:
     )  # fmt: skip
 
 
-def assert_batch_decode_exact(cfg: dict, stream: list[tuple[int, str, tuple[int, ...], int, int]]) -> int:
+def assert_batch_decode_exact(
+    cfg: dict, stream: list[tuple[int, str, tuple[int, ...], int, int]], always_in_order: bool = False, hash_order: bool = False
+) -> int:
     """``stream`` ((step, rid, prompt, output_len, max_new), by step) through two schedulers, one
     accounting steady decodes batch-wise: after every step the same pool, block tables, free-queue
     and cache order and counters, the same plan totals; at the end (after ``sync``) the same
-    finished requests. Returns the decodes taken batch-wise."""
+    finished requests. Returns the decodes taken batch-wise. ``always_in_order``: every step's
+    block events one at a time; ``hash_order``: some step must take them so because a block
+    cached shares a hash taken."""
     fast, slow = VLLMScheduler(**cfg), VLLMScheduler(**cfg)
     fast.enable_batch_decode()
     assert fast.batch is not None
+    fast.batch.always_in_order = always_in_order
     done: dict[str, list] = {"fast": [], "slow": []}
     aggregated = 0
     pending, t = list(stream), 0
@@ -789,6 +790,7 @@ def assert_batch_decode_exact(cfg: dict, stream: list[tuple[int, str, tuple[int,
         assert t < 5000
     fast.sync()
     assert done["fast"] == done["slow"] and len(done["slow"]) == len(stream)
+    assert fast.batch.hash_order_steps > 0 or not hash_order
     return aggregated
 
 
@@ -802,15 +804,11 @@ def assert_batch_decode_exact(cfg: dict, stream: list[tuple[int, str, tuple[int,
     ],
 )
 @pytest.mark.parametrize("one_at_a_time", [False, True])
-def test_batch_decode_keeps_the_pool_exactly_as_step_by_step(
-    cfg: dict, seed: int, one_at_a_time: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_batch_decode_keeps_the_pool_exactly_as_step_by_step(cfg: dict, seed: int, one_at_a_time: bool) -> None:
     """Random streams that share prompts and answers (requests caching blocks another one
     frees), preempt, chunk and hit max_model_len. ``one_at_a_time`` holds the path that applies
     a step's block events request by request (taken where a block cached shares its hash with
     one taken) to the same standard."""
-    if one_at_a_time:
-        monkeypatch.setattr(BatchDecode, "_shares_hash", lambda self, fills, n: True)
     rng = random.Random(seed)
     prompts = [tuple(rng.randrange(50) for _ in range(rng.randint(1, 30))) for _ in range(4)]
     stream = []
@@ -822,7 +820,7 @@ def test_batch_decode_keeps_the_pool_exactly_as_step_by_step(
             rid, prompt = f"r{i % 5}", prompts[i % 5 % 4]
         stream.append((rng.randint(0, 150), rid, prompt, n, n + rng.choice([0, 3])))
     stream.sort(key=lambda x: x[0])
-    assert assert_batch_decode_exact(cfg, stream) > 0  # not vacuous
+    assert assert_batch_decode_exact(cfg, stream, always_in_order=one_at_a_time) > 0  # not vacuous
 
 
 def test_batch_decode_orders_steady_blocks_between_older_prefills() -> None:
@@ -834,16 +832,13 @@ def test_batch_decode_orders_steady_blocks_between_older_prefills() -> None:
     assert assert_batch_decode_exact(cfg, stream) > 0
 
 
-def test_batch_decode_orders_a_step_that_caches_a_hash_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch_decode_orders_a_step_that_caches_a_hash_it_takes() -> None:
     """Repeated requests (the same id and prompt: the same answer) cache blocks whose hashes the
     earlier copies' freed blocks, next in the free queue, still carry: such a step applies its
     events one at a time (``_shares_hash``; taken batch-wise, this stream's cache order departs
     at step 40), and the pool stays exactly as step by step."""
-    shared: list[bool] = []
-    orig = BatchDecode._shares_hash
-    monkeypatch.setattr(BatchDecode, "_shares_hash", lambda self, fills, n: shared.append(orig(self, fills, n)) or shared[-1])
     arrivals = [(9, 1, 1), (12, 1, 3), (23, 1, 3), (25, 0, 3), (30, 0, 3), (30, 1, 2), (30, 0, 3), (34, 0, 1),
                 (35, 0, 1), (35, 1, 2), (37, 1, 1), (38, 0, 1)]  # (step, r0 or r1, prompt length)  # fmt: skip
     stream = [(t, f"r{r}", (1, 2, 3)[:n], 10, 10) for t, r, n in arrivals]
     cfg = dict(num_gpu_blocks=26, block_size=1, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=16)
-    assert assert_batch_decode_exact(cfg, stream) > 0 and any(shared)
+    assert assert_batch_decode_exact(cfg, stream, hash_order=True) > 0

@@ -4,6 +4,7 @@ prefix sharing at the ratio asked for."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ RICH = Workload(
 def test_same_seed_same_stream_other_seed_other_stream() -> None:
     a, b = take(RICH, 300), take(RICH, 300)
     assert fingerprint(a) == fingerprint(b)
-    other = Workload(**{**RICH.__dict__, "seed": 8})
+    other = replace(RICH, seed=8)
     assert fingerprint(take(other, 300)) != fingerprint(a)
 
 

@@ -64,6 +64,10 @@ class BatchDecode:
         self.explicit: list[Request] = []  # running requests that are not steady, in running order
         self._full = False  # this step took the normal path: every running request is explicit
         self._seq = itertools.count()
+        # Every step's block events one at a time (the tests hold that path to step by step on
+        # any stream), and how often a step took it because a block cached shared a hash taken.
+        self.always_in_order = False
+        self.hash_order_steps = 0
 
     def admitted(self, r: Request) -> None:
         """``r`` was appended to the running list: it sorts after every running request."""
@@ -101,6 +105,7 @@ class BatchDecode:
         if (
             need_blocks <= s.block_pool.get_num_free_blocks()
             and (not explicit or explicit[0].seq > last)
+            and not self.always_in_order
             and not self._shares_hash(fills, len(takes))
         ):
             new = s.block_pool.get_new_blocks(len(takes))
@@ -167,6 +172,7 @@ class BatchDecode:
         for _ in range(n_takes):
             assert b is not None
             if b.block_hash is not None and b.block_hash in caching:
+                self.hash_order_steps += 1
                 return True
             b = b.next_free_block
         return False

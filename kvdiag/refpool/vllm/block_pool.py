@@ -181,6 +181,7 @@ class BlockPool:
         self._memo: tuple[object, list[int], int, list[KVCacheBlock], int | None] | None = None
         self._memo_gen = 0
         self._memo_miss: int | None = None
+        self.walks = 0  # lookups that walked the cache map (the rest answered from the memo)
 
     def longest_cache_hit(self, owner: object, block_hashes: list[int], n: int) -> list[KVCacheBlock]:
         """The cached blocks of the longest cached prefix of ``block_hashes[:n]`` (the walk of
@@ -231,6 +232,7 @@ class BlockPool:
     def _walk(self, block_hashes: list[int], n: int) -> tuple[list[KVCacheBlock], int | None]:
         """``get_cached_block`` along ``block_hashes[:n]`` up to the first miss: (hits, the hash
         missed on, None where all n hit)."""
+        self.walks += 1
         cached_map = self.cached_block_hash_to_block
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[:n]:
