@@ -12,6 +12,7 @@ Usage: .venv/bin/python scripts/build-native.py [--force]
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def build() -> None:
 
     paths = [str(native.source(m).relative_to(native.PACKAGE)) for m in native.MODULES]
     native.MANIFEST.unlink(missing_ok=True)
+    shutil.rmtree(native.PACKAGE / BUILD_DIR, ignore_errors=True)  # objects built with other flags are not reused
     for old in native.extension_modules():  # a module left out of the set runs from source again
         old.unlink()
     os.chdir(native.PACKAGE)
