@@ -46,12 +46,13 @@ def main(argv: list[str]) -> int:
     if state.compiled and "--force" not in argv:
         return 0
     print(f"build-native: compiling the reference pool ({state.reason})", file=sys.stderr)
+    sources = native.digests()
     try:
         build()
     except (SystemExit, Exception) as e:  # setuptools reports a compiler failure as SystemExit
         print(f"build-native: failed ({e}); the reference pool runs from source", file=sys.stderr)
         return 1
-    native.write_manifest()
+    native.write_manifest(sources)
     return 0
 
 

@@ -141,7 +141,12 @@ def install() -> Build:
     return BUILD
 
 
-def write_manifest() -> None:
-    """Record the sources the extension modules were just built from (scripts/build-native.py)."""
-    modules = {m: digest(source(m)) for m in MODULES}
+def digests() -> dict[str, str]:
+    """Each compiled module's source digest, by module name."""
+    return {m: digest(source(m)) for m in MODULES}
+
+
+def write_manifest(modules: dict[str, str]) -> None:
+    """Record the sources the extension modules were built from (``digests()`` taken before the
+    compile, so that a source saved during it reads as stale, never as built)."""
     MANIFEST.write_text(json.dumps({"suffix": importlib.machinery.EXTENSION_SUFFIXES[0], "modules": modules}, indent=1) + "\n")

@@ -69,20 +69,30 @@ def test_compiled_is_the_pure_build_step_by_step(traces: tuple[dict, dict], case
         assert c_body == p_body, f"scrape {n}"
 
 
+def in_copied_tree(tmp_path: Path, probe: str) -> subprocess.CompletedProcess[str]:
+    """``probe`` run in a copy of the package under ``tmp_path`` (copied before the caller
+    changes it), with whatever build the copy holds."""
+    env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV} | {"PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def copy_package(tmp_path: Path) -> None:
+    subprocess.run(["cp", "-r", str(ROOT / "kvdiag"), str(tmp_path / "kvdiag")], check=True)
+
+
 def test_a_stale_build_runs_from_source(tmp_path: Path) -> None:
     """An edit after the build must not run the old extension module: the import falls back to
     the sources and says why."""
     build_or_skip()
     module = native.MODULES[0]
     src = native.source(module)
-    tree = tmp_path / "kvdiag"
-    subprocess.run(["cp", "-r", str(ROOT / "kvdiag"), str(tree)], check=True)
+    copy_package(tmp_path)
     copy = tmp_path / src.relative_to(native.PACKAGE)
     copy.write_text(copy.read_text() + "\nEDITED_AFTER_THE_BUILD = True\n")
     probe = f"import {module} as m, kvdiag.refpool.native as n; print(n.BUILD.reason); print(m.__file__); print(m.EDITED_AFTER_THE_BUILD)"
-    env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV} | {"PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = in_copied_tree(tmp_path, probe)
     reason, loaded, edited = done.stdout.split("\n")[:3]
     assert reason == f"stale: {src.relative_to(native.PACKAGE)} changed since the build"
     assert loaded == str(copy) and edited == "True"
@@ -93,15 +103,12 @@ def test_an_extension_module_outside_the_compiled_set_is_never_loaded(tmp_path: 
     """One left beside a source (a module dropped from the set since it was built) would run
     code the sources no longer hold: the import takes the source."""
     build_or_skip()
-    subprocess.run(["cp", "-r", str(ROOT / "kvdiag"), str(tmp_path / "kvdiag")], check=True)
+    copy_package(tmp_path)
     suffix = native.extension_modules()[0].name.split(".", 1)[1]
     compiled = tmp_path / native.source(native.MODULES[0]).relative_to(native.PACKAGE).with_suffix("." + suffix)
     outside = "kvdiag.refpool.deployments"
     assert outside not in native.MODULES
     stray = tmp_path / native.source(outside).relative_to(native.PACKAGE).with_suffix("." + suffix)
     stray.write_bytes(compiled.read_bytes())
-    probe = f"import {outside} as m, kvdiag.refpool.native as n; print(n.BUILD.reason); print(m.__file__)"
-    env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV} | {"PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = in_copied_tree(tmp_path, f"import {outside} as m, kvdiag.refpool.native as n; print(n.BUILD.reason); print(m.__file__)")
     assert done.stdout.split("\n")[:2] == ["compiled", str(stray.with_name("deployments.py"))]
