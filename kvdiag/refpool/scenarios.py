@@ -170,6 +170,7 @@ class ScenarioRun:
     store: KVStore | None = None
     target: str = ""
     fast: bool = True  # take runs of identical decode steps at once (exact; see types.DecodeRun)
+    record_steps: bool = True  # keep each engine's per-step log (validate's ground truth reads it)
     sims: list[Simulation] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -181,7 +182,10 @@ class ScenarioRun:
             roofline = self.scenario.deployment.roofline()  # one per loop: a scale model's keeps state
             step_time = roofline.step_time if topo is None else topo.step_time(roofline.step_time)
             metrics = unified_metrics(roofline.kv_bytes_per_token) if topo is None else topo.metrics(self.engine)
-            return Simulation(make, wl.requests(), step_time, metrics=metrics, batch_time=roofline.batch_seconds if fast else None)
+            return Simulation(
+                make, wl.requests(), step_time, metrics=metrics, record_steps=self.record_steps,
+                batch_time=roofline.batch_seconds if fast else None,
+            )  # fmt: skip
 
         self.sims = [engine_loop(wl) for wl in self.scenario.workloads_for(self.engine)]
         self.target = self.target or f"sim://{self.engine}/{self.scenario.name}"

@@ -92,8 +92,9 @@ def measure(windows: Sequence[Window], config: Config) -> Outcome:
 
 def emitted(scenario: Scenario, engine: str, interval: float) -> tuple[list[Window], ScenarioRun]:
     """Run ``scenario`` on the reference ``engine`` and read its exposition back, scraped every
-    ``interval`` simulated seconds: a window per instance, in instance order, and the run."""
-    run = ScenarioRun(scenario, engine)
+    ``interval`` simulated seconds: a window per instance, in instance order, and the run
+    (without the per-step log: the windows and the requests' records are what is read)."""
+    run = ScenarioRun(scenario, engine, record_steps=False)
     by_instance: dict[str, list[PoolSample]] = {}
     for _, scrape in run.scrapes(interval):
         for s in normalize_scrape(scrape, engine):

@@ -179,10 +179,14 @@ def test_allocator_numbering_agrees_with_a_plain_free_list(page_size: int) -> No
     """The free-list numbering (no per-page work in ``alloc``) against a plain model, a list
     and an owned set: random takes, frees to the back (page 1) or front (paged), free groups,
     double frees inside and outside them, small and vectorised sizes. After every operation the
-    same free list, the same owned pages, the same refusals; a refused free changes nothing."""
+    same free list, the same owned pages, the same refusals; a refused free changes nothing.
+    An allocator that stopped checking (``u``), given the same accepted operations, keeps the
+    same free list."""
     rng = random.Random(page_size)
     num_pages = 300
     a = TokenToKVPoolAllocator(num_pages * page_size, page_size)
+    u = TokenToKVPoolAllocator(num_pages * page_size, page_size)
+    u.stop_checking()
     free, owned = list(range(1, num_pages + 1)), set()
 
     def release(pages: list[int], group: list[int] | None) -> None:
@@ -195,6 +199,7 @@ def test_allocator_numbering_agrees_with_a_plain_free_list(page_size: int) -> No
                 a.free(slots)
             return
         a.free(slots)
+        u.free(slots)
         owned.difference_update(pages)
         if page_size == 1:
             free.extend(pages)
@@ -207,6 +212,7 @@ def test_allocator_numbering_agrees_with_a_plain_free_list(page_size: int) -> No
         if rng.random() < 0.5 and free:
             k = rng.choice([1, 3, 70, 150])
             got = a.alloc(k * page_size)
+            assert u.alloc(k * page_size) == got
             if k > len(free):
                 assert got is None
             else:
@@ -218,14 +224,17 @@ def test_allocator_numbering_agrees_with_a_plain_free_list(page_size: int) -> No
             picks = [held[: rng.choice([1, 5, 80])], held[:3] + [held[0]], held[:70] + [free[0]] if free else held[:1]]
             if page_size > 1 and rng.random() < 0.5:
                 group: list[int] = []
-                with a.free_group():
+                with a.free_group(), u.free_group():
                     for pages in rng.sample(picks, 2):
                         release(pages, group)
                 free[:0] = group
             else:
                 release(rng.choice(picks), None)
         assert a._free[a._head :] == free and a.available_size() == len(free) * page_size
+        assert u._free[u._head :] == free and u.available_size() == len(free) * page_size
         assert [p for p in range(num_pages + 2) if a.is_allocated(p * page_size)] == sorted(owned)
+    with pytest.raises(RuntimeError, match="keeps no page numbers"):
+        u.is_allocated(page_size)
 
 def test_paged_decode_evicts_a_page_per_request_before_it_allocates() -> None:
     """alloc_paged_token_slots_decode evicts for bs * page_size even when no row needs a new

@@ -18,6 +18,10 @@ A page is free iff its number is at least ``_front``: ``alloc`` only moves ``_fr
 pages it takes. With page size 1 pages only join at the back, so numbers below ``_front`` stay
 below it; paged frees join at the front, numbered downwards from ``_front``, so a paged
 ``alloc`` stamps the pages it takes below any number (``_TAKEN``).
+
+The checks are SGLang's ``debug_mode`` (``SGLANG_DEBUG_MEMORY_POOL``), here on unless turned off:
+an accounting-only run that the tests hold equal to a checked one step by step turns them off
+(``stop_checking``), because numbering every freed page costs a sixth of its time.
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ class TokenToKVPoolAllocator:
         self._number = self._numbers.data  # the same, read page by page as Python ints
         self._front = 0  # number of the free list's front page
         self._group: list[int] | None = None  # pages freed inside an open free group, in order
+        self.debug_mode = True  # the ownership and range checks (the module's docstring)
+
+    def stop_checking(self) -> None:
+        """Free and allocate without the checks from now on (SGLang's default): the page
+        numbers are no longer kept, so ``is_allocated`` cannot answer."""
+        self.debug_mode = False
 
     def available_size(self) -> int:
         """Free slots."""
@@ -85,15 +95,17 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         if ps == 1:
             return pages
-        self._stamp(pages, _TAKEN, 0)
+        if self.debug_mode:
+            self._stamp(pages, _TAKEN, 0)
         return [p * ps + o for p in pages for o in range(ps)]
 
     def free(self, free_index: Sequence[int]) -> None:
         """Release the pages holding ``free_index``.
 
         Like SGLang's paged ``free`` (``unique(free_index // page_size)``), naming any slot of a
-        page frees the whole page. Freeing a page that is not allocated raises: in SGLang that
-        is silent pool corruption, here it is a bug in the model. A refused free changes nothing.
+        page frees the whole page. While checking, freeing a page that is not allocated raises:
+        in SGLang that is silent pool corruption, here it is a bug in the model. A refused free
+        changes nothing.
         """
         ps = self.page_size
         pages = list(dict.fromkeys(i // ps for i in free_index)) if ps > 1 else free_index
@@ -106,6 +118,20 @@ class TokenToKVPoolAllocator:
             first = front - n  # to the front
         else:
             first = _HELD  # listed when the group ends
+        if self.debug_mode:
+            self._check_and_number(pages, front, first)
+        if ps == 1:
+            self._free.extend(pages)
+        elif self._group is not None:
+            self._group.extend(pages)
+        else:
+            self._free[self._head : self._head] = pages
+            self._front = first
+
+    def _check_and_number(self, pages: Sequence[int], front: int, first: int) -> None:
+        """Refuse (changing nothing) pages outside the pool, named twice or not allocated, and
+        give the rest their free-list numbers from ``first``."""
+        ps, n = self.page_size, len(pages)
         if n < _VECTOR_MIN:
             if min(pages) < 1 or max(pages) > self.num_pages:
                 self._outside(pages)
@@ -134,13 +160,6 @@ class TokenToKVPoolAllocator:
                 raise ValueError(f"double free: page {pages[int(np.argmax(not_allocated))]} is not allocated")
             if ps > 1:
                 numbers[idx] = first if first == _HELD else np.arange(first, first + n, dtype=np.int64)
-        if ps == 1:
-            self._free.extend(pages)
-        elif self._group is not None:
-            self._group.extend(pages)
-        else:
-            self._free[self._head : self._head] = pages
-            self._front = first
 
     def _outside(self, pages: Sequence[int]) -> NoReturn:
         p = next(p for p in pages if not 1 <= p <= self.num_pages)
@@ -171,10 +190,13 @@ class TokenToKVPoolAllocator:
             pages, self._group = self._group, None
             if pages:
                 self._front -= len(pages)
-                self._stamp(pages, self._front)
+                if self.debug_mode:
+                    self._stamp(pages, self._front)
                 self._free[self._head : self._head] = pages
 
     def is_allocated(self, slot: int) -> bool:
         """Whether the page holding ``slot`` is currently handed out (for invariant checks)."""
+        if not self.debug_mode:
+            raise RuntimeError("an allocator that stopped checking keeps no page numbers")
         page = slot // self.page_size
         return 1 <= page <= self.num_pages and self._number[page] < self._front

@@ -565,10 +565,13 @@ class SGLangScheduler:
         """Account decodes batch-wise from now on where that is exact without per-request work
         (accounting-only, page size 1, not debug: KV writes and the invariant checks read every
         request every step). A decode step then appends each request's slot, and nothing else
-        per request: outputs are appended where a request stops or is read (``sync``)."""
+        per request: outputs are appended where a request stops or is read (``sync``). The
+        allocator stops checking its frees (``stop_checking``): the fast-forward tests hold this
+        mode equal, slot for slot, to the step-by-step one, which checks them."""
         if not (self.debug or self.moves_bytes or self.page_size != 1):
             assert not self.reqs, "enable batch decode before the first request"
             self.batch_decode = True
+            self.allocator.stop_checking()
 
     def sync(self) -> None:
         """Bring every running request's output up to date (batch mode; else nothing to do)."""
