@@ -133,7 +133,13 @@ def main() -> None:
     config = Config()
     build = this_build()
     print(f"reference pool: {build}", flush=True)
-    keep = args.incident or Path(tempfile.mkdtemp()) / "incident.pkl"  # the pure side reads it
+    with tempfile.TemporaryDirectory() as tmp:
+        keep = args.incident or Path(tmp) / "incident.pkl"  # the pure side reads it
+        print(json.dumps(run(args, config, build, keep)))
+
+
+def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dict[str, object]:
+    """The figures: the baseline, the window's replays and, compiled, the pure build's."""
     out = {
         "engine": args.engine,
         "jobs": args.jobs,
@@ -151,7 +157,7 @@ def main() -> None:
         out["pure_window"] = pure
         out["compiled_speedup"] = round(pure_wall / wall, 2)
         print(f"  wall {pure_wall:.0f}s in the pure build: {out['compiled_speedup']:.2f}x compiled", flush=True)
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 from kvdiag.refpool.types import SimRequest, output_ids, pickle_by_fields, prefix_keys
 
 _VOCAB = 1 << 17  # token ids drawn in [0, _VOCAB); user-visible tokens stay below the output ids
+_DRAWS = 1 << 14  # random numbers drawn at a time by the block draws below
 
 
 # ---------------------------------------------------------------- lengths
@@ -100,10 +101,19 @@ class Poisson:
             raise ValueError(f"rate must be > 0, got {self.rate}")
 
     def times(self, rng: np.random.Generator) -> Iterator[float]:
-        t = 0.0
-        while True:
-            t += rng.exponential(1.0 / self.rate)
+        t, scale = 0.0, 1.0 / self.rate
+        for e in exponential_draws(rng):
+            t += scale * e
             yield t
+
+
+def exponential_draws(rng: np.random.Generator) -> Iterator[float]:
+    """``rng``'s standard exponential draws one by one, drawn a block at a time: ``scale * e``
+    is exactly what ``rng.exponential(scale)`` returns in its place (numpy scales a standard
+    draw), so arrivals come out as one call per gap gave them, without a numpy call per gap.
+    ``rng`` serves nothing else: a block draws past the last gap used."""
+    while True:
+        yield from rng.standard_exponential(_DRAWS).tolist()
 
 
 @dataclass(frozen=True)
@@ -282,14 +292,15 @@ class _Stream:
 
     def __init__(self, w: Workload) -> None:
         self.w = w
-        self.arr_rng, self.len_rng, self.pick_rng, self.tok_rng, self.conv_rng = (
+        self.arr_rng, self.len_rng, self.pick_rng, tok_rng, self.conv_rng = (
             np.random.default_rng(s) for s in np.random.SeedSequence(w.seed).spawn(5)
         )
+        self.tokens = TokenDraws(tok_rng)
         self.prefixes: list[tuple[int, ...]] = []
         self.weights: np.ndarray | None = None
         if w.prefix is not None:
             length = max(1, round(w.prefix.share * w.input_len.mean))
-            self.prefixes = [_tokens(self.tok_rng, length) for _ in range(w.prefix.groups)]
+            self.prefixes = [self.tokens.take(length) for _ in range(w.prefix.groups)]
             if w.prefix.zipf > 0:
                 weights = 1.0 / np.arange(1, w.prefix.groups + 1) ** w.prefix.zipf
                 self.weights = weights / weights.sum()
@@ -309,14 +320,14 @@ class _Stream:
     def _first_prompt(self) -> tuple[int, ...]:
         n = self.w.input_len.sample(self.len_rng)
         if not self.prefixes:
-            return _tokens(self.tok_rng, n)
+            return self.tokens.take(n)
         prefix = self.w.prefix
         assert prefix is not None, "shared prefixes come from a SharedPrefix"
         if self.weights is None:  # uniform: what choice(n) draws, without its argument checks
             group = int(self.pick_rng.integers(0, len(self.prefixes)))
         else:
             group = int(self.pick_rng.choice(len(self.prefixes), p=self.weights))
-        return self.prefixes[group] + _tokens(self.tok_rng, max(1, round(n * (1 - prefix.share))))
+        return self.prefixes[group] + self.tokens.take(max(1, round(n * (1 - prefix.share))))
 
     def _request(self, rid: str, t: float, prompt: tuple[int, ...]) -> SimRequest:
         out = self.w.output_len.sample(self.len_rng)
@@ -334,14 +345,36 @@ class _Stream:
         conv = self.w.conversations
         assert conv is not None, "only a conversation has a next turn"
         session, turn = prev.rid.rsplit(".t", 1)
-        new_input = _tokens(self.tok_rng, conv.turn_input.sample(self.len_rng))
+        new_input = self.tokens.take(conv.turn_input.sample(self.len_rng))
         req = self._request(f"{session}.t{int(turn) + 1}", t, prev.prompt + expected_output(prev) + new_input)
         self._follow(req, left - 1)
         return req
 
 
-def _tokens(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    return tuple(rng.integers(0, _VOCAB, size=n).tolist())
+class TokenDraws:
+    """Prompt token ids from one random stream, drawn a block at a time.
+
+    The ids are those of one ``rng.integers(0, _VOCAB, size=n)`` call per prompt, in order
+    (numpy's generator keeps the unused half of a 64-bit draw for its next call, so draws do
+    not depend on how they are split; test_workload checks it): each such call cost more in
+    numpy's argument handling than its ids did."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.block: list[int] = []
+        self.pos = 0
+
+    def take(self, n: int) -> tuple[int, ...]:
+        pos, block = self.pos, self.block
+        if pos + n <= len(block):
+            self.pos = pos + n
+            return tuple(block[pos : pos + n])
+        ids = block[pos:]
+        while len(ids) < n:
+            block = self.block = self.rng.integers(0, _VOCAB, size=max(_DRAWS, n - len(ids))).tolist()
+            self.pos = min(len(block), n - len(ids))
+            ids += block[: self.pos]
+        return tuple(ids)
 
 
 def expected_output(req: SimRequest) -> tuple[int, ...]:

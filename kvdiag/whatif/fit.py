@@ -33,7 +33,7 @@ import numpy as np
 from kvdiag import capacity
 from kvdiag.model import hit_ratio
 from kvdiag.refpool.scenarios import Scenario
-from kvdiag.refpool.workload import SharedPrefix, Workload
+from kvdiag.refpool.workload import SharedPrefix, Workload, exponential_draws
 from kvdiag.whatif import lengths
 from kvdiag.whatif.deployment import Sized
 from kvdiag.whatif.lengths import LengthFit
@@ -79,10 +79,11 @@ class StepRate:
     rates: tuple[float, ...]
 
     def times(self, rng: np.random.Generator) -> Iterator[float]:
+        draws = exponential_draws(rng)
         for lo, hi, rate in zip(self.edges, self.edges[1:], self.rates):
             t = lo
             while rate > 0:  # memoryless: a fresh draw from each bucket's start is exact
-                t += rng.exponential(1.0 / rate)
+                t += (1.0 / rate) * next(draws)
                 if t >= hi:
                     break
                 yield t

@@ -6,7 +6,7 @@ import heapq
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 from hypothesis import given, settings
@@ -24,6 +24,7 @@ from kvdiag.refpool.sglang.prefill_budget import (
 from kvdiag.refpool.sglang.radix_cache import RadixCache, TreeNode
 from kvdiag.refpool.sglang.schedule_batch import Req, alloc_decode, check_decode_mem, get_decode_retraction_order
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler, default_max_running_requests
+from kvdiag.refpool.sglang.stats import SchedulerCounters
 from kvdiag.refpool.types import SimRequest, StepPlan, prefix_keys
 from tests.refpool.lockstep import lockstep_step
 
@@ -1115,3 +1116,14 @@ def test_batch_decode_keeps_the_pool_exactly_as_step_by_step(cfg: dict, seed: in
     fast.sync()
     assert done["fast"] == done["slow"] and len(done["slow"]) == len(stream)
     assert aggregated > 0 and (retracted > 0 or seed != 0)  # not vacuous
+
+
+def test_every_scheduler_counter_reaches_the_stats() -> None:
+    """``stats()`` copies the counters field by field: each one, set to its own value, reads
+    back under its name (a counter added to the scheduler but not copied fails here)."""
+    s = SGLangScheduler(max_total_num_tokens=100)
+    names = [f.name for f in fields(SchedulerCounters)]
+    for i, name in enumerate(names):
+        setattr(s.counters, name, 1000 + i)
+    st_ = s.stats()
+    assert [getattr(st_, name) for name in names] == [1000 + i for i in range(len(names))]

@@ -18,11 +18,14 @@ from kvdiag.refpool.workload import (
     Poisson,
     Ramp,
     SharedPrefix,
+    TokenDraws,
     Uniform,
     Workload,
     expected_output,
+    exponential_draws,
     prefix_share,
 )
+from kvdiag.refpool.workload import _DRAWS, _VOCAB
 
 
 def take(w: Workload, n: int) -> list[SimRequest]:
@@ -126,6 +129,19 @@ def test_uniform_prefix_pick_draws_what_choice_draws() -> None:
     streams (and every recording made from them) stay as they were."""
     a, b = np.random.default_rng(3), np.random.default_rng(3)
     assert [int(a.integers(0, 8)) for _ in range(500)] == [int(b.choice(8)) for _ in range(500)]
+
+
+def test_block_draws_are_the_per_call_draws() -> None:
+    """Prompt tokens and arrival gaps drawn a block at a time are the ones a numpy call per
+    prompt or gap gives, in order: odd prompt lengths (a 64-bit draw split over two calls),
+    prompts across a block's end and one longer than a block."""
+    lengths = [1, 2, 3, 517, 1000, 7, _DRAWS - 1500, 3000, 2 * _DRAWS + 5, 1, 999]
+    per_call, blocks = np.random.default_rng(11), TokenDraws(np.random.default_rng(11))
+    for n in lengths:
+        assert blocks.take(n) == tuple(per_call.integers(0, _VOCAB, size=n).tolist())
+    scales = [1 / 47.9, 0.02, 1 / 53.0, 3.0] * (_DRAWS // 2)  # past a block's end
+    per_call, gaps = np.random.default_rng(12), exponential_draws(np.random.default_rng(12))
+    assert [s * next(gaps) for s in scales] == [per_call.exponential(s) for s in scales]
 
 
 def test_zipf_popularity_favours_the_first_group() -> None:

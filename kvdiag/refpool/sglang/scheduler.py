@@ -513,6 +513,7 @@ class SGLangScheduler:
         """Live counters and gauges, named after the ``sglang:*`` metrics they feed."""
         tree = self.tree_cache
         hi = tree if isinstance(tree, HiRadixCache) else None
+        c = self.counters  # by name, not **: the loop reads stats twice a step, and ** is a slow call
         return SGLangStats(
             max_total_num_tokens=self.max_total_num_tokens,
             page_size=self.page_size,
@@ -532,7 +533,19 @@ class SGLangScheduler:
             load_back_tokens_total=hi.load_back_tokens_total if hi else None,
             hicache_backup_tokens_total=hi.backup_tokens_total if hi else None,
             hicache_dropped_tokens_total=hi.dropped_tokens_total if hi else None,
-            **self.counters.values(),
+            num_retracted_requests_total=c.num_retracted_requests_total,
+            num_retracted_input_tokens_total=c.num_retracted_input_tokens_total,
+            num_retracted_output_tokens_total=c.num_retracted_output_tokens_total,
+            prompt_tokens_total=c.prompt_tokens_total,
+            generation_tokens_total=c.generation_tokens_total,
+            num_requests_total=c.num_requests_total,
+            num_aborted_requests_total=c.num_aborted_requests_total,
+            cached_tokens_device_total=c.cached_tokens_device_total,
+            cached_tokens_host_total=c.cached_tokens_host_total,
+            prefill_effective_input_tokens_total=c.prefill_effective_input_tokens_total,
+            prefill_compute_tokens_total=c.prefill_compute_tokens_total,
+            prefill_cache_tokens_total=c.prefill_cache_tokens_total,
+            num_prefill_batches=c.num_prefill_batches,
         )
 
     def _snapshot_report(self) -> None:

@@ -7,7 +7,7 @@ those series at all, and absent must stay distinct from zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass
@@ -27,13 +27,6 @@ class SchedulerCounters:
     prefill_compute_tokens_total: int = 0  # realtime_tokens_total{mode="prefill_compute"} (recomputes too)
     prefill_cache_tokens_total: int = 0  # realtime_tokens_total{mode="prefill_cache"}
     num_prefill_batches: int = 0
-
-    def values(self) -> dict[str, int]:
-        """The fields by name (``vars`` would do, but a compiled class has no ``__dict__``)."""
-        return {name: getattr(self, name) for name in _COUNTER_FIELDS}
-
-
-_COUNTER_FIELDS = tuple(f.name for f in fields(SchedulerCounters))
 
 
 @dataclass(slots=True)
