@@ -117,9 +117,11 @@ class StepLog:
 
 
 # ------------------------------------------------------------------ metrics hook
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PoolTruth:
-    """The pool as it really is after a step (every engine's usage gauge is derived from it)."""
+    """The pool as it really is after a step (every engine's usage gauge is derived from it).
+    Built after every step, so not frozen (a frozen dataclass's ``__init__`` costs several
+    plain ones); never changed once built."""
 
     capacity_tokens: int
     used_tokens: int  # held by requests
