@@ -7,7 +7,7 @@ chat, 1k-token prompts half shared with one of 8 system prompts, ~800-token answ
 back through the adapters as a recording would be. Then, as `kvdiag whatif` does: the fit, the
 default remedies (FP8 KV, TP x2, one more DP replica, the recommended admission limit, a higher
 memory fraction) and the calibration, replayed in ``--jobs`` worker processes as a scale model
-(``--scale``, default 8), timed wall-clock (the goal: 60 s). The baseline, in the same run: a
+(``--scale``, by default the one ``--scale auto`` picks: 1/10 on SGLang, 1/8 on vLLM), timed wall-clock (the goal: 60 s). The baseline, in the same run: a
 ``--baseline-minutes`` window of the same load replayed at full size and as the scale model,
 timed both ways, with each replay's scale-model error against full size (P99 TTFT from both
 sides' simulated requests, as the what-if pairs compare). An hour at full size is not run: at
@@ -16,13 +16,15 @@ say how long.
 
 With the compiled build in use (kvdiag/refpool/native.py), the window's replays are timed
 again in the pure build (the same sources, not compiled) in a child process of the same run,
-on the same fitted window, and the ratio is printed.
+on the same fitted window, and the ratio is printed. ``--baseline-rev REV`` times them once more
+as the tree at git revision REV replays them (its own bench script, pure, on the same window),
+the code a change replaces, in the same run.
 
 The incident's windows can be kept (``--incident FILE``: read when it exists, written when not),
 so a rerun against changed replay code skips the full-size hour; delete the file when the
 reference engine changes what it emits.
 
-Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale 8] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE] [--window-only]
+Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale K|auto] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE] [--window-only] [--baseline-rev REV]
 Last line: JSON with the figures.
 """
 
@@ -36,7 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from builds import in_pure_build, this_build
+import numpy as np
+
+from builds import at_revision, in_pure_build, this_build
 from kvdiag.checks import diagnose
 from kvdiag.config import Config
 from kvdiag.refpool.scenarios import Deployment, Scenario
@@ -46,6 +50,7 @@ from kvdiag.whatif.compare import errors
 from kvdiag.whatif.fit import fit
 from kvdiag.whatif.levers import recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, emitted, replay_all
+from kvdiag.whatif.scale import auto_scale
 from kvdiag.window import Window
 
 DEPLOYMENT = Deployment("llama-3-8b", "h200", tp=2, mem_fraction=0.73, served_model="meta-llama/Meta-Llama-3-8B-Instruct")
@@ -78,11 +83,21 @@ def incident_window(minutes: float, engine: str, keep: Path | None) -> tuple[Win
     return window, time.perf_counter() - t0
 
 
-def whatif(minutes: float, engine: str, scales: tuple[float, ...], workers: int, config: Config, keep: Path | None = None) -> dict[str, object]:
-    """The incident of ``minutes``, fitted, and its calibration + default remedies replayed at
-    each of ``scales`` (timed); the scale models' errors against the full-size replays when 1
-    is among them."""
-    window, t_incident = incident_window(minutes, engine, keep)
+def auto(window: Window) -> float:
+    """The scale ``kvdiag whatif --scale auto`` picks for ``window`` (its fitted arrivals and its
+    median running count)."""
+    return auto_scale(fit(window).arrivals.total, float(np.nanmedian(window.column("running"))))
+
+
+def whatif(
+    minutes: float, engine: str, scales: tuple[float, ...], workers: int, config: Config, keep: Path | None = None,
+    incident: tuple[Window, float] | None = None,
+) -> dict[str, object]:  # fmt: skip
+    """The incident of ``minutes`` (``incident``: its window, already read, and the seconds its
+    simulation took), fitted, and its calibration + default remedies replayed at each of
+    ``scales`` (timed); the scale models' errors against the full-size replays when 1 is among
+    them."""
+    window, t_incident = incident or incident_window(minutes, engine, keep)
     how = f"simulated in {t_incident:.0f}s" if t_incident else f"read from {keep}"
     print(f"incident: {minutes:g} min on {engine}, {len(window)} scrapes, {how}", flush=True)
     f = fit(window)
@@ -119,7 +134,7 @@ def whatif(minutes: float, engine: str, scales: tuple[float, ...], workers: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=60.0, help="the window replayed as a scale model (default 60)")
-    p.add_argument("--scale", type=float, default=8.0, help="the scale model's k (default 8)")
+    p.add_argument("--scale", default="auto", help="the scale model's k (default: what `kvdiag whatif --scale auto` picks for the hour)")
     p.add_argument("--baseline-minutes", type=float, default=5.0,
                    help="the window replayed at full size and as the scale model, for the model's error (default 5; "
                    "an hour at full size takes about an hour here; 0: none)")  # fmt: skip
@@ -128,6 +143,7 @@ def main() -> None:
     p.add_argument("--incident", type=Path, metavar="FILE",
                    help="keep the one-hour incident's window here: read when it exists, written when not")  # fmt: skip
     p.add_argument("--window-only", action="store_true", help="the window's replays only (the pure build's side of a run)")
+    p.add_argument("--baseline-rev", metavar="REV", help="also time the window's replays as git revision REV runs them (pure)")
     args = p.parse_args()
     tune_gc()
     config = Config()
@@ -140,24 +156,41 @@ def main() -> None:
 
 def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dict[str, object]:
     """The figures: the baseline, the window's replays and, compiled, the pure build's."""
+    incident = incident_window(args.minutes, args.engine, keep)
+    k = auto(incident[0]) if args.scale == "auto" else float(args.scale)
+    print(f"scale model: 1/{k:g}" + (" (--scale auto)" if args.scale == "auto" else ""), flush=True)
     out = {
         "engine": args.engine,
         "jobs": args.jobs,
         "build": build,
+        "scale": k,
         "baseline": None if args.window_only or args.baseline_minutes <= 0 else
-        whatif(args.baseline_minutes, args.engine, (args.scale, 1.0), args.jobs, config),
-        "window": whatif(args.minutes, args.engine, (args.scale,), args.jobs, config, keep),
+        whatif(args.baseline_minutes, args.engine, (k, 1.0), args.jobs, config),
+        "window": whatif(args.minutes, args.engine, (k,), args.jobs, config, keep, incident),
     }  # fmt: skip
     if build == "compiled" and not args.window_only:
-        argv = ["--window-only", "--minutes", str(args.minutes), "--scale", str(args.scale), "--engine", args.engine,
-                "--jobs", str(args.jobs), "--incident", str(keep)]  # fmt: skip
+        argv = [*_window_argv(args, k), "--incident", str(keep)]
         print("the same replays in the pure build:", flush=True)
         pure = in_pure_build(__file__, argv)["window"]
-        wall, pure_wall = (w[f"wall_s_scale_{args.scale:g}"] for w in (out["window"], pure))  # type: ignore[index]
+        wall, pure_wall = (w[f"wall_s_scale_{k:g}"] for w in (out["window"], pure))  # type: ignore[index]
         out["pure_window"] = pure
         out["compiled_speedup"] = round(pure_wall / wall, 2)
         print(f"  wall {pure_wall:.0f}s in the pure build: {out['compiled_speedup']:.2f}x compiled", flush=True)
+    if args.baseline_rev and not args.window_only:
+        print(f"the same replays at {args.baseline_rev} (pure):", flush=True)
+        base = at_revision(args.baseline_rev, __file__, [*_window_argv(args, k), "--incident", str(keep)])["window"]
+        key = f"wall_s_scale_{k:g}"
+        out["baseline_rev"] = {"rev": args.baseline_rev, "window": base}
+        for name, w in ((build, out["window"]), ("pure", out.get("pure_window"))):
+            if w is not None:
+                ratio = base[key] / w[key]  # type: ignore[index,operator]
+                out["baseline_rev"][f"speedup_{name}"] = round(ratio, 2)  # type: ignore[index]
+                print(f"  wall {base[key]:.0f}s at {args.baseline_rev}: this head {name} is {ratio:.2f}x faster", flush=True)  # type: ignore[index]
     return out
+
+
+def _window_argv(args: argparse.Namespace, k: float) -> list[str]:
+    return ["--window-only", "--minutes", str(args.minutes), "--scale", str(k), "--engine", args.engine, "--jobs", str(args.jobs)]
 
 
 if __name__ == "__main__":

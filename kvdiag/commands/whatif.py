@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="replay a scale model: pool, arrivals and admission caps divided by K, step times as at full "
                    "size (about K times faster); the calibration also runs at full size and the model's error is "
                    "stated. auto (default): full size for a window of a few thousand requests, else a model that "
-                   "keeps ~120 requests running at the window's peak; 1: always full size")  # fmt: skip
+                   "keeps ~120 requests running through the window (at its median running count); 1: always full size")  # fmt: skip
     p.add_argument("--scale-check", type=float, default=5.0, metavar="MINUTES",
                    help="with --scale: the model's error is measured against full size over the window's first "
                    "MINUTES (default 5; 0: the whole window, which costs a full-size replay of all of it)")  # fmt: skip
@@ -155,15 +155,15 @@ def _scale(text: str) -> float | str:
 
 def _scale_for(scale: float | str, f: Fit, w: Window, quiet: bool) -> float:
     """The scale of an instance's replays: ``--scale``'s, or the one ``auto_scale`` picks from the
-    fitted arrivals and the window's peak running count (said on stderr when it is a model)."""
+    fitted arrivals and the window's median running count (said on stderr when it is a model)."""
     if scale != "auto":
         return float(scale)
     running = w.column("running") if w.has("running") else None
-    peak = float(np.nanmax(running)) if running is not None and np.isfinite(running).any() else None
-    k = auto_scale(f.arrivals.total, peak)
+    median = float(np.nanmedian(running)) if running is not None and np.isfinite(running).any() else None
+    k = auto_scale(f.arrivals.total, median)
     if k != 1 and not quiet:
         print(f"kvdiag whatif: {f.instance}: replaying a 1/{k:g} scale model (--scale auto: {f.arrivals.total:,.0f} "
-              f"requests in the window, {peak:,.0f} running at its peak; --scale 1 for full size)", file=sys.stderr)  # fmt: skip
+              f"requests in the window, {median:,.0f} running at its median; --scale 1 for full size)", file=sys.stderr)  # fmt: skip
     return k
 
 

@@ -239,7 +239,8 @@ def test_auto_scale_keeps_small_windows_at_full_size_and_a_busy_batch_in_the_mod
     from kvdiag.whatif.scale import MAX_REQUESTS, MIN_RUNNING, auto_scale
 
     assert auto_scale(MAX_REQUESTS, 5_000) == 1.0  # a few thousand requests: full size
-    assert auto_scale(180_000, 1_000) == 8.0  # bench_whatif's hour: held at ~125 running, not 36x
+    assert auto_scale(180_000, 1_023) == 8.0  # bench_whatif's vLLM hour: held at ~125 running, not 36x
+    assert auto_scale(180_000, 1_288) == 10.0  # its SGLang hour (a peak of 1,586 would give 13)
     assert auto_scale(20_000, 2_000) == 4.0  # brought to MAX_REQUESTS
     assert auto_scale(100_000, MIN_RUNNING - 1) == 1.0  # too few running for any model
     assert auto_scale(100_000, None) == 1.0  # running unknown: no guess
