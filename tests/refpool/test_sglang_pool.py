@@ -188,6 +188,7 @@ def test_allocator_numbering_agrees_with_a_plain_free_list(page_size: int) -> No
     a = TokenToKVPoolAllocator(num_pages * page_size, page_size)
     u = TokenToKVPoolAllocator(num_pages * page_size, page_size)
     u.stop_checking()
+    assert a.checking and not u.checking
     free, owned = list(range(1, num_pages + 1)), set()
 
     def release(pages: list[int], group: list[int] | None) -> None:

@@ -59,12 +59,18 @@ class TokenToKVPoolAllocator:
         self._number = self._numbers.data  # the same, read page by page as Python ints
         self._front = 0  # number of the free list's front page
         self._group: list[int] | None = None  # pages freed inside an open free group, in order
-        self.debug_mode = True  # the ownership and range checks (the module's docstring)
+        self._checking = True  # the ownership and range checks (the module's docstring)
+
+    @property
+    def checking(self) -> bool:
+        """Whether frees are checked (and pages numbered); ``stop_checking`` turns it off."""
+        return self._checking
 
     def stop_checking(self) -> None:
-        """Free and allocate without the checks from now on (SGLang's default): the page
-        numbers are no longer kept, so ``is_allocated`` cannot answer."""
-        self.debug_mode = False
+        """Free and allocate without the checks from now on (SGLang's default). One way only:
+        the page numbers are no longer kept, so they could not be trusted again, and
+        ``is_allocated`` cannot answer."""
+        self._checking = False
 
     def available_size(self) -> int:
         """Free slots."""
@@ -95,7 +101,7 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         if ps == 1:
             return pages
-        if self.debug_mode:
+        if self._checking:
             self._stamp(pages, _TAKEN, 0)
         return [p * ps + o for p in pages for o in range(ps)]
 
@@ -118,7 +124,7 @@ class TokenToKVPoolAllocator:
             first = front - n  # to the front
         else:
             first = _HELD  # listed when the group ends
-        if self.debug_mode:
+        if self._checking:
             self._check_and_number(pages, front, first)
         if ps == 1:
             self._free.extend(pages)
@@ -190,13 +196,13 @@ class TokenToKVPoolAllocator:
             pages, self._group = self._group, None
             if pages:
                 self._front -= len(pages)
-                if self.debug_mode:
+                if self._checking:
                     self._stamp(pages, self._front)
                 self._free[self._head : self._head] = pages
 
     def is_allocated(self, slot: int) -> bool:
         """Whether the page holding ``slot`` is currently handed out (for invariant checks)."""
-        if not self.debug_mode:
+        if not self._checking:
             raise RuntimeError("an allocator that stopped checking keeps no page numbers")
         page = slot // self.page_size
         return 1 <= page <= self.num_pages and self._number[page] < self._front
