@@ -38,8 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from builds import at_revision, in_pure_build, this_build
 from kvdiag.checks import diagnose
 from kvdiag.config import Config
@@ -50,7 +48,7 @@ from kvdiag.whatif.compare import errors
 from kvdiag.whatif.fit import fit
 from kvdiag.whatif.levers import recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, emitted, replay_all
-from kvdiag.whatif.scale import auto_scale
+from kvdiag.whatif.scale import auto_scale, median_running
 from kvdiag.window import Window
 
 DEPLOYMENT = Deployment("llama-3-8b", "h200", tp=2, mem_fraction=0.73, served_model="meta-llama/Meta-Llama-3-8B-Instruct")
@@ -86,7 +84,7 @@ def incident_window(minutes: float, engine: str, keep: Path | None) -> tuple[Win
 def auto(window: Window) -> float:
     """The scale ``kvdiag whatif --scale auto`` picks for ``window`` (its fitted arrivals and its
     median running count)."""
-    return auto_scale(fit(window).arrivals.total, float(np.nanmedian(window.column("running"))))
+    return auto_scale(fit(window).arrivals.total, median_running(window))
 
 
 def whatif(
@@ -169,16 +167,15 @@ def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dic
         "window": whatif(args.minutes, args.engine, (k,), args.jobs, config, keep, incident),
     }  # fmt: skip
     if build == "compiled" and not args.window_only:
-        argv = [*_window_argv(args, k), "--incident", str(keep)]
         print("the same replays in the pure build:", flush=True)
-        pure = in_pure_build(__file__, argv)["window"]
+        pure = in_pure_build(__file__, _window_argv(args, k, keep))["window"]
         wall, pure_wall = (w[f"wall_s_scale_{k:g}"] for w in (out["window"], pure))  # type: ignore[index]
         out["pure_window"] = pure
         out["compiled_speedup"] = round(pure_wall / wall, 2)
         print(f"  wall {pure_wall:.0f}s in the pure build: {out['compiled_speedup']:.2f}x compiled", flush=True)
     if args.baseline_rev and not args.window_only:
         print(f"the same replays at {args.baseline_rev} (pure):", flush=True)
-        base = at_revision(args.baseline_rev, __file__, [*_window_argv(args, k), "--incident", str(keep)])["window"]
+        base = at_revision(args.baseline_rev, __file__, _window_argv(args, k, keep))["window"]
         key = f"wall_s_scale_{k:g}"
         out["baseline_rev"] = {"rev": args.baseline_rev, "window": base}
         for name, w in ((build, out["window"]), ("pure", out.get("pure_window"))):
@@ -189,8 +186,10 @@ def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dic
     return out
 
 
-def _window_argv(args: argparse.Namespace, k: float) -> list[str]:
-    return ["--window-only", "--minutes", str(args.minutes), "--scale", str(k), "--engine", args.engine, "--jobs", str(args.jobs)]
+def _window_argv(args: argparse.Namespace, k: float, keep: Path) -> list[str]:
+    """A child's arguments: the same window's replays only, at scale ``k``, read from ``keep``."""
+    return ["--window-only", "--minutes", str(args.minutes), "--scale", str(k), "--engine", args.engine,
+            "--jobs", str(args.jobs), "--incident", str(keep)]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ import os
 import sys
 from typing import Callable
 
-import numpy as np
-
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -38,7 +36,7 @@ from kvdiag.whatif.fit import Fit, FitError, fit
 from kvdiag.whatif.levers import LeverError, parse, recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, measure, replay_all
 from kvdiag.whatif.report import WhatIf, html_section, render
-from kvdiag.whatif.scale import auto_scale
+from kvdiag.whatif.scale import auto_scale, median_running
 from kvdiag.window import Window, windows
 
 EXIT_ERROR = 3
@@ -158,8 +156,7 @@ def _scale_for(scale: float | str, f: Fit, w: Window, quiet: bool) -> float:
     fitted arrivals and the window's median running count (said on stderr when it is a model)."""
     if scale != "auto":
         return float(scale)
-    running = w.column("running") if w.has("running") else None
-    median = float(np.nanmedian(running)) if running is not None and np.isfinite(running).any() else None
+    median = median_running(w)
     k = auto_scale(f.arrivals.total, median)
     if k != 1 and not quiet:
         print(f"kvdiag whatif: {f.instance}: replaying a 1/{k:g} scale model (--scale auto: {f.arrivals.total:,.0f} "

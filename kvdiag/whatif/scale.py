@@ -20,9 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from kvdiag.refpool.scenarios import Scenario
 from kvdiag.refpool.workload import EveryKth
 from kvdiag.whatif.deployment import sized
+from kvdiag.window import Window
 
 
 def scaled(scenario: Scenario, k: float) -> Scenario:
@@ -53,6 +56,12 @@ MIN_RUNNING = 120
 #: Requests in a window below which a full-size replay is quick (seconds each here) and no
 #: scale model is worth its error.
 MAX_REQUESTS = 5_000
+
+
+def median_running(window: Window) -> float | None:
+    """The window's median running count, the one ``auto_scale`` reads (None: not reported)."""
+    running = window.column("running") if window.has("running") else None
+    return float(np.nanmedian(running)) if running is not None and np.isfinite(running).any() else None
 
 
 def auto_scale(requests: float, running: float | None) -> float:
