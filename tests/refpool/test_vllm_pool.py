@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvdiag.refpool.types import NullStore, SimRequest, StepPlan
 from tests.refpool.lockstep import lockstep_step
-from kvdiag.refpool.vllm.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from kvdiag.refpool.vllm.block_pool import BlockHashToBlockMap, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, cdiv
 from kvdiag.refpool.vllm.offload import CPUOffloadingManager, OffloadingConnector
 from kvdiag.refpool.vllm.request import Request, RequestStatus
@@ -144,6 +144,21 @@ def test_free_order_cached_to_tail_uncached_to_head_then_lazy_eviction() -> None
     assert pool.num_evicted_blocks == 1  # block 2 lost its hash only now, at reuse
     assert pool.get_cached_block(r.block_hashes[1]) is None and got[-1].block_hash is None
     assert pool.get_cached_block(r.block_hashes[0]) is blocks[0]  # block 1 still a hit
+
+
+def test_hash_map_holds_one_block_or_several_in_caching_order() -> None:
+    """A hash names one block, or several where requests cached the same content (vLLM keeps
+    them all): a hit takes the first cached, evicting it hands hits to the next, a block id the
+    hash does not hold evicts nothing, and a hash leaves the map with its last block."""
+    m, b = BlockHashToBlockMap(), [KVCacheBlock(i) for i in range(4)]
+    assert m.insert(7, b[1]) and not m.insert(7, b[2]) and not m.insert(7, b[3]) and m.insert(8, b[0])
+    assert m.get_one_block(7) is b[1] and m.get_one_block(9) is None
+    assert m.pop(7, 0) is None and m.get_one_block(7) is b[1]  # block 0 is not cached under 7
+    assert m.pop(7, 1) is b[1] and m.get_one_block(7) is b[2]
+    assert m.pop(8, 1) is None and m.get_one_block(8) is b[0]  # a single block kept as it was
+    assert m.entries() == [(7, [b[2], b[3]]), (8, [b[0]])]  # a hash popped and kept goes last, as in vLLM
+    assert m.pop(7, 2) is b[2] and m.pop(7, 3) is b[3] and 7 not in m and m.pop(7, 3) is None
+    assert m.pop(8, 0) is b[0] and m.entries() == []
 
 
 # ---------------------------------------------------------------- kv cache manager
@@ -752,12 +767,15 @@ def test_random_streams_keep_invariants_and_bytes(w: tuple[dict, list[tuple[int,
 # ============================================================================ batch decode
 def pool_state(s: VLLMScheduler) -> tuple:
     """What batch-level decode must keep exactly as step by step after every step: the queues,
-    the block tables, the free queue's order, the cache's order and contents, the counters."""
+    the block tables, the free queue's order, the cache's contents with each hash's blocks in
+    order (which one a hit takes; the order of hashes in the map is no part of the pool's
+    behaviour, and vLLM's map reorders a hash when one of its several blocks is evicted), the
+    counters."""
     kv, pool = s.kv_cache_manager, s.block_pool
     return (
         [r.request_id for r in s.running], [r.request_id for r in s.waiting],
         {rid: ids(blocks) for rid, blocks in kv.req_to_blocks.items()}, dict(kv.num_cached_block),
-        queue_ids(pool), [(h, list(e)) for h, e in pool.cached_block_hash_to_block.items()],
+        queue_ids(pool), {h: ids(e) for h, e in pool.cached_block_hash_to_block.entries()},
         [b.block_hash for b in pool.blocks], s.stats(),
     )  # fmt: skip
 

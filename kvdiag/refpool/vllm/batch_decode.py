@@ -102,17 +102,23 @@ class BatchDecode:
         explicit = self.explicit
         last = max(takes[-1].seq if takes else -1, fills[-1].seq if fills else -1)
         preempted: list[Request] = []
+        # The block each fill caches: its (c + 1) // bs - th, the one after those cached already.
+        filled = [(r.num_computed_tokens + j - r.anchor + 1) // bs - 1 for r in fills]
+        hashes = [r.block_hashes[i] for r, i in zip(fills, filled)]
         if (
             need_blocks <= s.block_pool.get_num_free_blocks()
             and (not explicit or explicit[0].seq > last)
             and not self.always_in_order
-            and not self._shares_hash(fills, len(takes))
+            and not self._shares_hash(hashes, len(takes))
         ):
             new = s.block_pool.get_new_blocks(len(takes))
             for r, b in zip(takes, new):
                 blocks_of[r.request_id].append(b)
-            for r in fills:
-                kv.cache_blocks(r, r.num_computed_tokens + j - r.anchor + 1)
+            if fills:  # cache_blocks of each, in one call: one block each, its table's next
+                s.block_pool.cache_hashed([blocks_of[r.request_id][i] for r, i in zip(fills, filled)], hashes)
+                cached = kv.num_cached_block
+                for r, i in zip(fills, filled):
+                    cached[r.request_id] = i + 1
             for r, n in zip(explicit, sizes):
                 self._explicit_step(out, r, n, now, preempted)  # fits: checked above
         else:  # one request at a time, in running order, preempting where blocks run out
@@ -160,18 +166,23 @@ class BatchDecode:
         preempted.append(victim)
         return victim
 
-    def _shares_hash(self, fills: list[Request], n_takes: int) -> bool:
-        """Whether a block this step caches has the hash of one of the next ``n_takes`` free
-        blocks (whose hash taking it drops): only then does their order matter."""
-        if not fills or not n_takes:
+    def _shares_hash(self, caching: list[int], n_takes: int) -> bool:
+        """Whether a block this step caches (``caching``: their hashes) has the hash of one of
+        the next ``n_takes`` free blocks (whose hash taking it drops): only then does their order
+        matter. A free block's hash is in the cache map (hashed blocks are exactly the indexed
+        ones), so the queue is walked only where a hash cached is there already: an answer's
+        blocks seldom are."""
+        if not caching or not n_takes:
             return False
-        j, bs = self.step, self.s.block_size
-        caching = {r.block_hashes[(r.num_computed_tokens + j - r.anchor + 1) // bs - 1] for r in fills}
+        cached_map = self.s.block_pool.cached_block_hash_to_block
+        known = {h for h in caching if h in cached_map}
+        if not known:
+            return False
         queue = self.s.block_pool.free_block_queue
         b = queue.fake_free_list_head.next_free_block
         for _ in range(n_takes):
             assert b is not None
-            if b.block_hash is not None and b.block_hash in caching:
+            if b.block_hash is not None and b.block_hash in known:
                 self.hash_order_steps += 1
                 return True
             b = b.next_free_block

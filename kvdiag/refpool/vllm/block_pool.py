@@ -154,12 +154,72 @@ class FreeKVCacheBlockQueue:
         return out
 
 
+class BlockHashToBlockMap:
+    """The prefix cache's index: a block hash to the cached blocks holding it (vLLM's
+    ``BlockHashToBlockMap``, ``block_pool.py``).
+
+    vLLM does not de-duplicate (two requests that compute the same block concurrently both cache
+    it, so block tables stay append-only), so a hash can name several blocks; mostly it names
+    one, held as itself, and a dict keyed by block id (in caching order) only where there are
+    more. vLLM chose the union to spare the collector an inner dict per cached block; here it
+    also spares the allocations and a lookup per block cached and per block evicted, which ran
+    per block taken or filled. ``pop`` puts a hash whose dict keeps blocks back at the end of
+    the map, as vLLM's does; which block a hit returns (the first cached) is unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: int) -> KVCacheBlock | None:
+        """The first cached block holding ``key``, or None on a miss."""
+        blocks = self._cache.get(key)
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def insert(self, key: int, block: KVCacheBlock) -> bool:
+        """Index ``block`` under ``key``; True where ``key`` was not cached before."""
+        cache = self._cache
+        blocks = cache.get(key)
+        if blocks is None:
+            cache[key] = block
+            return True
+        if isinstance(blocks, KVCacheBlock):
+            cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+        return False
+
+    def pop(self, key: int, block_id: int) -> KVCacheBlock | None:
+        """Drop block ``block_id`` from ``key``'s blocks; the block, or None where it was not
+        indexed there."""
+        cache = self._cache
+        blocks = cache.pop(key, None)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id == block_id:
+                return blocks
+            cache[key] = blocks
+            return None
+        block = blocks.pop(block_id, None)
+        if blocks:
+            cache[key] = blocks
+        return block
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._cache
+
+    def entries(self) -> list[tuple[int, list[KVCacheBlock]]]:
+        """Every hash with its blocks in caching order, in the map's order (checks and tests)."""
+        return [(h, [b] if isinstance(b, KVCacheBlock) else list(b.values())) for h, b in self._cache.items()]
+
+
 class BlockPool:
     """Allocates, frees and caches GPU blocks (``vllm/v1/core/block_pool.py: BlockPool``).
 
-    ``cached_block_hash_to_block`` maps a block hash to the blocks holding it, keyed by block id:
-    vLLM does not de-duplicate (two requests that compute the same block concurrently both cache
-    it, so block tables stay append-only); ``get_cached_block`` returns the first one.
+    ``cached_block_hash_to_block`` maps a block hash to the blocks holding it
+    (``BlockHashToBlockMap``); ``get_cached_block`` returns the first one.
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
@@ -169,7 +229,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(idx) for idx in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[int, dict[int, KVCacheBlock]] = {}
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Placeholder block (block_id 0) for skipped sliding-window blocks; its ref_cnt is not
         # maintained and it never returns to the free queue.
         self.null_block = self.free_block_queue.popleft()
@@ -218,9 +278,8 @@ class BlockPool:
             i = hits.index(block)
         except ValueError:
             return
-        entries = self.cached_block_hash_to_block.get(block_hashes[i])
-        if entries:
-            first = next(iter(entries.values()))
+        first = self.cached_block_hash_to_block.get_one_block(block_hashes[i])
+        if first is not None:
             first.memo_gen = self._memo_gen
             for k in range(i, len(hits)):
                 if hits[k] is block:
@@ -236,10 +295,10 @@ class BlockPool:
         cached_map = self.cached_block_hash_to_block
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[:n]:
-            cached = cached_map.get(block_hash)
-            if not cached:
+            cached = cached_map.get_one_block(block_hash)
+            if cached is None:
                 return hits, block_hash
-            hits.append(next(iter(cached.values())))
+            hits.append(cached)
         return hits, None
 
     def _drop_memo(self) -> None:
@@ -249,10 +308,7 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         """The first cached block holding ``block_hash``, or None on a miss."""
-        cached = self.cached_block_hash_to_block.get(block_hash)
-        if not cached:
-            return None
-        return next(iter(cached.values()))
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
 
     def cache_full_blocks(
         self,
@@ -273,21 +329,19 @@ class BlockPool:
             f"{request.request_id}: {len(request.block_hashes)} hashes < {num_full_blocks} full blocks "
             f"(block_size {block_size})"
         )
-        hashes, cached_map = request.block_hashes, self.cached_block_hash_to_block
-        for i in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[i]
+        self.cache_hashed(blocks[num_cached_blocks:num_full_blocks], request.block_hashes[num_cached_blocks:num_full_blocks])
+
+    def cache_hashed(self, blocks: list[KVCacheBlock], hashes: list[int]) -> None:
+        """Give each of ``blocks`` its hash in ``hashes`` and index it (``cache_full_blocks``'
+        loop; batch-level decode caches the blocks a step fills, one per request, in one call)."""
+        cached_map = self.cached_block_hash_to_block
+        for blk, block_hash in zip(blocks, hashes):
             if blk.is_null:
                 continue
             assert blk.block_hash is None, f"{blk} is already cached"
-            block_hash = hashes[i]
             blk.block_hash = block_hash
-            entries = cached_map.get(block_hash)
-            if entries is not None:
-                entries[blk.block_id] = blk
-            else:
-                cached_map[block_hash] = {blk.block_id: blk}
-                if block_hash == self._memo_miss:  # a new hash: the memo's miss, perhaps
-                    self._drop_memo()
+            if cached_map.insert(block_hash, blk) and block_hash == self._memo_miss:  # a new hash: the memo's miss, perhaps
+                self._drop_memo()
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the head of the free queue, evicting their stale hashes (lazy
@@ -296,25 +350,18 @@ class BlockPool:
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
-        if self.enable_caching:
-            cached_map, evicted = self.cached_block_hash_to_block, 0
-            for block in ret:
-                block_hash = block.block_hash
-                if block_hash is None:
-                    continue
-                cached = cached_map.get(block_hash)
-                if cached is None or cached.pop(block.block_id, None) is None:
-                    continue
-                if not cached:
-                    del cached_map[block_hash]
-                block.block_hash = None
-                evicted += 1
-                if block.memo_gen == self._memo_gen:
-                    self._memo_evicted(block)
-            self.num_evicted_blocks += evicted
+        cached_map, evicted, caching = self.cached_block_hash_to_block, 0, self.enable_caching
         for block in ret:
             assert block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0"
-            block.ref_cnt += 1
+            block.ref_cnt = 1
+            block_hash = block.block_hash
+            if block_hash is None or not caching or cached_map.pop(block_hash, block.block_id) is None:
+                continue
+            block.block_hash = None
+            evicted += 1
+            if block.memo_gen == self._memo_gen:
+                self._memo_evicted(block)
+        self.num_evicted_blocks += evicted
         return ret
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -367,11 +414,12 @@ class BlockPool:
         }, "free queue != blocks with ref_cnt 0 (null block excluded)"
         hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
         indexed = set()
-        for h, entries in self.cached_block_hash_to_block.items():
+        for h, entries in self.cached_block_hash_to_block.entries():
             assert entries, f"empty entry for hash {h:#x}"
-            for bid, blk in entries.items():
-                assert blk is self.blocks[bid] and blk.block_hash == h, f"hash map {h:#x} -> {blk}"
-                indexed.add(bid)
+            for blk in entries:
+                assert blk is self.blocks[blk.block_id] and blk.block_hash == h, f"hash map {h:#x} -> {blk}"
+                assert blk.block_id not in indexed, f"{blk} indexed twice"
+                indexed.add(blk.block_id)
         assert hashed == indexed, f"blocks {sorted(hashed ^ indexed)} hashed but not indexed, or vice versa"
         if self._memo is not None:
             _, hashes, n, hits, miss = self._memo
