@@ -187,10 +187,9 @@ class ScaledRoofline(Roofline):
         return self._decoding(tokens, context, pairs, prefill)
 
     def batch_seconds(self, tokens: int, context: int, pairs: float) -> float:
-        """A fast-forwarded decode step: no prefill of its own, the average beside it. (The
-        engine loop may time a step it then takes one by one; the average then decays by one
-        more prefill-free step, which only engines that mix prefill into decode runs would feel:
-        neither reference engine offers such runs.)"""
+        """A fast-forwarded decode step: no prefill of its own, the average beside it (it
+        decays by one prefill-free step, as ``cost`` of that step's plan would have it: the
+        engine loop times exactly the steps it then takes)."""
         return self._decoding(tokens, context, pairs, (0, 0, 0.0)).seconds
 
     def _decoding(self, tokens: int, context: int, pairs: float, prefill: Work) -> StepCost:

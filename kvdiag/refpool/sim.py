@@ -418,11 +418,10 @@ class Simulation:
         starts: list[float] = []
         durations: list[float] = []
         waiting: list[int] = []
-        now, context, n, joined = self.now, run.context_tokens, run.batch, False
+        now, context, n = self.now, run.context_tokens, run.batch
         current = run
         while len(starts) < run.max_steps and now < limit:
             if latched and starts and self._admit_arrivals(now):
-                joined = True
                 renewed = offer()
                 if renewed is None:
                     break
@@ -432,11 +431,11 @@ class Simulation:
             durations.append(dt)
             waiting.append(current.waiting)
             now, context = now + dt, context + n
-        if len(starts) < 2 and not joined:
+        if not starts:
             return False
         used = self.scheduler.advance_decode(len(starts))  # type: ignore[attr-defined]
         self.now = now
-        truth = self.metrics.on_step()  # decode steps change no counter: once is every step
+        truth = self.metrics.on_step()  # nothing reads the hook inside a run: once, after it, is every step
         if self.record_steps:
             plan = StepPlan(blocked_on_kv=run.blocked_on_kv, blocked_other=run.blocked_other)
             for start, dt, u, w in zip(starts, durations, used, waiting):

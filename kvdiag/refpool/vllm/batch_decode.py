@@ -37,12 +37,16 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING
 
+from kvdiag.refpool.types import DecodeRun
 from kvdiag.refpool.vllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvdiag.refpool.vllm.scheduler import VLLMScheduler, _SchedulerOutput
 
 _RUNNING = RequestStatus.RUNNING
+#: The most steps one decode run is offered (the engine loop cuts it at the next arrival or
+#: scrape anyway): a bound on the offer's own walk over the steps' block takes.
+MAX_RUN_STEPS = 1024
 
 
 def _seq(r: Request) -> int:
@@ -81,11 +85,10 @@ class BatchDecode:
         (from the back of the running list, as ``schedule`` does, where a block is missing), or
         None (nothing changed) where it could exhaust the token budget: then every request is
         brought up to date for the normal path."""
-        s, j = self.s, self.step
+        s = self.s
         kv, bs = s.kv_cache_manager, s.block_size
         blocks_of = kv.req_to_blocks
-        takes = self.phases[-j % bs]  # c % bs == 0: one new block each
-        fills = self.phases[(-j - 1) % bs] if kv.enable_caching else []  # (c + 1) % bs == 0
+        takes, fills, filled, hashes = self._events()
         need_tokens, need_blocks = self.n, len(takes)
         sizes = []
         for r in self.explicit:
@@ -102,23 +105,13 @@ class BatchDecode:
         explicit = self.explicit
         last = max(takes[-1].seq if takes else -1, fills[-1].seq if fills else -1)
         preempted: list[Request] = []
-        # The block each fill caches: its (c + 1) // bs - th, the one after those cached already.
-        filled = [(r.num_computed_tokens + j - r.anchor + 1) // bs - 1 for r in fills]
-        hashes = [r.block_hashes[i] for r, i in zip(fills, filled)]
         if (
             need_blocks <= s.block_pool.get_num_free_blocks()
             and (not explicit or explicit[0].seq > last)
             and not self.always_in_order
             and not self._shares_hash(hashes, len(takes))
         ):
-            new = s.block_pool.get_new_blocks(len(takes))
-            for r, b in zip(takes, new):
-                blocks_of[r.request_id].append(b)
-            if fills:  # cache_blocks of each, in one call: one block each, its table's next
-                s.block_pool.cache_hashed([blocks_of[r.request_id][i] for r, i in zip(fills, filled)], hashes)
-                cached = kv.num_cached_block
-                for r, i in zip(fills, filled):
-                    cached[r.request_id] = i + 1
+            self._take_and_fill(takes, fills, filled, hashes)
             for r, n in zip(explicit, sizes):
                 self._explicit_step(out, r, n, now, preempted)  # fits: checked above
         else:  # one request at a time, in running order, preempting where blocks run out
@@ -126,8 +119,33 @@ class BatchDecode:
         out.plan.decode_batch, out.plan.decode_context = self.n, self.context
         return token_budget - need_tokens, preempted
 
+    def _events(self) -> tuple[list[Request], list[Request], list[int], list[int]]:
+        """This step's block events: the steady requests that take a block (``c % bs == 0``),
+        those that fill one (``(c + 1) % bs == 0``, where blocks are cached), and for each fill
+        the index of the block it fills (the one after those it has cached) and its hash."""
+        j, bs = self.step, self.s.block_size
+        takes = self.phases[-j % bs]
+        fills = self.phases[(-j - 1) % bs] if self.s.kv_cache_manager.enable_caching else []
+        filled = [(r.num_computed_tokens + j - r.anchor + 1) // bs - 1 for r in fills]
+        return takes, fills, filled, [r.block_hashes[i] for r, i in zip(fills, filled)]
+
+    def _take_and_fill(self, takes: list[Request], fills: list[Request], filled: list[int], hashes: list[int]) -> None:
+        """A step's block events at once (where their order does not matter): the takes as one
+        ``get_new_blocks``, the fills as one ``cache_hashed`` (``cache_blocks`` of each: one
+        block each)."""
+        s = self.s
+        kv, pool = s.kv_cache_manager, s.block_pool
+        blocks_of = kv.req_to_blocks
+        for r, b in zip(takes, pool.get_new_blocks(len(takes))):
+            blocks_of[r.request_id].append(b)
+        if fills:
+            pool.cache_hashed([blocks_of[r.request_id][i] for r, i in zip(fills, filled)], hashes)
+            cached = kv.num_cached_block
+            for r, i in zip(fills, filled):
+                cached[r.request_id] = i + 1
+
     def _one_at_a_time(
-        self, out: _SchedulerOutput, steady: list[Request], sizes: list[int], now: float, preempted: list[Request]
+        self, out: _SchedulerOutput | None, steady: list[Request], sizes: list[int], now: float, preempted: list[Request]
     ) -> int:
         """This step's block events and explicit requests merged in running order, each as the
         normal loop takes it: where a request's blocks do not fit, the last running request is
@@ -141,6 +159,7 @@ class BatchDecode:
             if r.status is not _RUNNING:
                 continue  # preempted earlier in this step
             if n:
+                assert out is not None, "explicit requests are scheduled into a step's output"
                 if not self._explicit_step(out, r, n, now, preempted):
                     return tokens + self.n
                 tokens += n
@@ -197,6 +216,57 @@ class BatchDecode:
         is_decode = r.num_computed_tokens == r.num_tokens - 1 and bool(r.sim.output)
         self.s._add_chunk(out, r, n, not is_decode, now)
         return True
+
+    # ---- runs of identical steps (types.FastForward)
+    def decode_run(self) -> DecodeRun | None:
+        """The steps from this one on that are the same decode of the same steady batch
+        (``types.DecodeRun``), or None: every running request is steady, none stops before the
+        last of them (a stop is at the update of its request's ``stop_step``), their decodes fit
+        the token budget, every step's blocks come from free ones (no preemption: nothing is
+        freed during the run), and a queue, if any, is refused before any lookup: as many
+        requests run as ``max_num_seqs`` allows, or no token budget is left. Such a refusal has
+        no side effect and holds for the whole run (nobody leaves the running list), so requests
+        arriving meanwhile only join the queue (``queue_latched``). A queue whose head is refused
+        for lack of blocks is not offered: a block cached during the run can extend its prefix
+        hit."""
+        s = self.s
+        if self.explicit or not self.n or s.kv_holding_waiting:
+            return None
+        budget = s.max_num_batched_tokens - self.n
+        queued = bool(s.waiting)
+        if budget < 0 or queued and budget and len(s.running) < s.max_num_seqs:
+            return None
+        heap = self.stops
+        while heap and not (heap[0][2].steady and heap[0][2].seq == heap[0][1] and heap[0][2].stop_step == heap[0][0]):
+            heapq.heappop(heap)  # left by a request that stopped being steady
+        until = heap[0][0] - self.step if heap else MAX_RUN_STEPS
+        free, bs = s.block_pool.get_num_free_blocks(), s.block_size
+        steps = 0
+        while steps < min(until, MAX_RUN_STEPS):
+            free -= len(self.phases[-(self.step + steps) % bs])
+            if free < 0:
+                break
+            steps += 1
+        if steps < 2:
+            return None
+        return DecodeRun(steps, self.n, self.context, False, queued, len(s.waiting), queue_latched=queued)
+
+    def advance_decode(self, steps: int) -> list[int]:
+        """``steps`` steps of the offered run, each as ``schedule`` and ``update_from_output``
+        take it: its block events (at once, or one at a time where a block cached shares a hash
+        taken), no admission, no stop, then ``after_update``. The pool's used tokens after each
+        step, in the metrics hook's convention (blocks not free, the null block excluded)."""
+        pool, bs = self.s.block_pool, self.s.block_size
+        used = []
+        for _ in range(steps):
+            takes, fills, filled, hashes = self._events()
+            if self.always_in_order or self._shares_hash(hashes, len(takes)):
+                self._one_at_a_time(None, sorted(takes + fills, key=_seq), [], 0.0, [])
+            else:
+                self._take_and_fill(takes, fills, filled, hashes)
+            self.after_update([])
+            used.append((pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * bs)
+        return used
 
     # ---- update
     def with_stops(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdiag.refpool.types import KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
+from kvdiag.refpool.types import DecodeRun, KVStore, NullStore, ScheduledChunk, SimRequest, StepPlan
 from kvdiag.refpool.vllm.batch_decode import BatchDecode
 from kvdiag.refpool.vllm.block_pool import BlockPool
 from kvdiag.refpool.vllm.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
@@ -459,6 +459,15 @@ class VLLMScheduler:
     def sync(self) -> None:
         if self.batch is not None:
             self.batch.sync_all()
+
+    # ---- types.FastForward (vllm/batch_decode.py)
+
+    def decode_run(self) -> DecodeRun | None:
+        return None if self.batch is None else self.batch.decode_run()
+
+    def advance_decode(self, steps: int) -> list[int]:
+        assert self.batch is not None, "decode runs are offered with batch decode only"
+        return self.batch.advance_decode(steps)
 
     # ---- observability ----
 
