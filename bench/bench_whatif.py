@@ -16,15 +16,20 @@ say how long.
 
 With the compiled build in use (kvdiag/refpool/native.py), the window's replays are timed
 again in the pure build (the same sources, not compiled) in a child process of the same run,
-on the same fitted window, and the ratio is printed. ``--baseline-rev REV`` times them once more
-as the tree at git revision REV replays them (its own bench script, pure, on the same window),
-the code a change replaces, in the same run.
+on the same fitted window, and the ratio is printed. ``--baseline-rev REV`` times them beside the tree
+at git revision REV (its own bench script on the same window, compiled by its own build script
+where it has one, else pure), the code a change replaces: this head's replays, then REV's, in
+the same minutes, ``--reps`` times, and the median of the pairs' ratios.
 
 The incident's windows can be kept (``--incident FILE``: read when it exists, written when not),
 so a rerun against changed replay code skips the full-size hour; delete the file when the
-reference engine changes what it emits.
+reference engine changes what it emits. ``--recording FILE`` keeps the incident as a recording
+(what ``kvdiag record`` writes: read when it exists, written by the simulation when not), and
+``--command`` times what a user runs on it, ``kvdiag whatif --replay FILE`` in a process of its
+own, end to end: reading and fitting the window, the six replays and the scale model's check
+(the calibration's first 5 minutes at full size and as the model), the report.
 
-Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale K|auto] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE] [--window-only] [--baseline-rev REV]
+Usage: .venv/bin/python bench/bench_whatif.py [--minutes 60] [--scale K|auto] [--baseline-minutes 5] [--jobs 2] [--engine sglang|vllm] [--incident FILE] [--recording FILE] [--command] [--window-only] [--baseline-rev REV [--reps N]]
 Last line: JSON with the figures.
 """
 
@@ -34,22 +39,29 @@ import argparse
 import json
 import os
 import pickle
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from builds import at_revision, in_pure_build, this_build
 from kvdiag.checks import diagnose
 from kvdiag.config import Config
-from kvdiag.refpool.scenarios import Deployment, Scenario
+from kvdiag.engines import normalize_scrape
+from kvdiag.refpool.scenarios import Deployment, Scenario, ScenarioRun
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.workload import LogNormal, Poisson, SharedPrefix, Workload
+from kvdiag.sources.recording import read_recording, write_recording
 from kvdiag.whatif.compare import errors
 from kvdiag.whatif.fit import fit
 from kvdiag.whatif.levers import recommended_limit, resolve
 from kvdiag.whatif.replay import Job, Run, emitted, replay_all
 from kvdiag.whatif.scale import auto_scale, median_running
-from kvdiag.window import Window
+from kvdiag.window import Window, windows
 
 DEPLOYMENT = Deployment("llama-3-8b", "h200", tp=2, mem_fraction=0.73, served_model="meta-llama/Meta-Llama-3-8B-Instruct")
 INTERVAL = 15.0
@@ -66,19 +78,28 @@ def replays(jobs: list[Job], workers: int) -> tuple[list[Run], float]:
     return runs, time.perf_counter() - t0
 
 
-def incident_window(minutes: float, engine: str, keep: Path | None) -> tuple[Window, float]:
-    """The incident's window, from ``keep`` when it holds this one, else simulated (and kept
-    there); the seconds the simulation took (0 when read)."""
+def incident_window(minutes: float, engine: str, keep: Path | None, recording: Path | None = None) -> tuple[Window, float]:
+    """The incident's window, from ``keep`` when it holds this one, else from ``recording`` when
+    it exists (read back as ``kvdiag whatif --replay`` reads it), else simulated (and written
+    to ``recording`` first when one is asked for); kept in ``keep``. The seconds the simulation
+    took (0 when read)."""
     key = (minutes, engine)
-    if keep is not None and keep.exists():
+    if keep is not None and keep.exists() and (recording is None or recording.exists()):
         kept = pickle.loads(keep.read_bytes())
         if kept["key"] == key:
             return kept["window"], 0.0
-    t0 = time.perf_counter()
-    [window], _ = emitted(incident(minutes), engine, INTERVAL)
+    t0, simulated = time.perf_counter(), 0.0
+    if recording is None:
+        [window], _ = emitted(incident(minutes), engine, INTERVAL)
+        simulated = time.perf_counter() - t0
+    else:
+        if not recording.exists():
+            write_recording(recording, (scrape for _, scrape in ScenarioRun(incident(minutes), engine, record_steps=False).scrapes(INTERVAL)))
+            simulated = time.perf_counter() - t0
+        [window] = windows(s for scrape in read_recording(recording) for s in normalize_scrape(scrape, engine)).values()
     if keep is not None:
         keep.write_bytes(pickle.dumps({"key": key, "window": window}))
-    return window, time.perf_counter() - t0
+    return window, simulated
 
 
 def auto(window: Window) -> float:
@@ -129,6 +150,29 @@ def whatif(
     return out
 
 
+def command(recording: Path, workers: int) -> dict[str, object]:
+    """``kvdiag whatif --replay recording`` run as a user runs it, in a process of its own (this
+    build), timed from start to exit: its replays' own times from its progress lines, the scale
+    it picked and the fit's quality from its JSON."""
+    argv = [sys.executable, "-m", "kvdiag", "whatif", "--replay", str(recording), "--jobs", str(workers), "--json"]
+    print(f"kvdiag whatif --replay {recording.name} --jobs {workers}, end to end:", flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"kvdiag whatif exited {done.returncode}: {done.stderr.strip()}")
+    replays = []
+    for line in done.stderr.splitlines():
+        m = re.match(r"whatif \[\d+/\d+\] .+?: (.+) (\d+)s$", line)
+        if m:
+            replays.append({"run": m[1], "wall_s": int(m[2])})
+            print(f"  {m[1]}: {m[2]}s", flush=True)
+    [inst] = json.loads(done.stdout)["instances"]
+    print(f"  wall {wall:.0f}s from start to exit ({'within' if wall <= 60 else 'over'} the 60 s goal); "
+          f"{inst['fit_quality']}; {inst['scale_model']}", flush=True)  # fmt: skip
+    return {"wall_s": round(wall, 1), "replays": replays, "fit_quality": inst["fit_quality"], "scale_model": inst["scale_model"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=60.0, help="the window replayed as a scale model (default 60)")
@@ -140,8 +184,15 @@ def main() -> None:
     p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"))
     p.add_argument("--incident", type=Path, metavar="FILE",
                    help="keep the one-hour incident's window here: read when it exists, written when not")  # fmt: skip
+    p.add_argument("--recording", type=Path, metavar="FILE",
+                   help="keep the incident as a recording (kvdiag record's format): read when it exists, written when not")  # fmt: skip
+    p.add_argument("--command", action="store_true",
+                   help="also time `kvdiag whatif --replay` on the recording end to end (a temporary one without --recording)")  # fmt: skip
     p.add_argument("--window-only", action="store_true", help="the window's replays only (the pure build's side of a run)")
-    p.add_argument("--baseline-rev", metavar="REV", help="also time the window's replays as git revision REV runs them (pure)")
+    p.add_argument("--baseline-rev", metavar="REV",
+                   help="also time the window's replays as git revision REV runs them (built as REV builds itself), each "
+                   "right after this head's")  # fmt: skip
+    p.add_argument("--reps", type=int, default=1, help="with --baseline-rev: pairs of runs, this head's then REV's (default 1)")
     args = p.parse_args()
     tune_gc()
     config = Config()
@@ -149,12 +200,14 @@ def main() -> None:
     print(f"reference pool: {build}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         keep = args.incident or Path(tmp) / "incident.pkl"  # the pure side reads it
-        print(json.dumps(run(args, config, build, keep)))
+        recording = args.recording or (Path(tmp) / "incident.jsonl.gz" if args.command else None)
+        print(json.dumps(run(args, config, build, keep, recording)))
 
 
-def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dict[str, object]:
-    """The figures: the baseline, the window's replays and, compiled, the pure build's."""
-    incident = incident_window(args.minutes, args.engine, keep)
+def run(args: argparse.Namespace, config: Config, build: str, keep: Path, recording: Path | None) -> dict[str, object]:
+    """The figures: the baseline, the window's replays, the command end to end and, compiled,
+    the pure build's replays."""
+    incident = incident_window(args.minutes, args.engine, keep, recording)
     k = auto(incident[0]) if args.scale == "auto" else float(args.scale)
     print(f"scale model: 1/{k:g}" + (" (--scale auto)" if args.scale == "auto" else ""), flush=True)
     out = {
@@ -165,6 +218,7 @@ def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dic
         "baseline": None if args.window_only or args.baseline_minutes <= 0 else
         whatif(args.baseline_minutes, args.engine, (k, 1.0), args.jobs, config),
         "window": whatif(args.minutes, args.engine, (k,), args.jobs, config, keep, incident),
+        "command": command(recording, args.jobs) if args.command and recording is not None and not args.window_only else None,
     }  # fmt: skip
     if build == "compiled" and not args.window_only:
         print("the same replays in the pure build:", flush=True)
@@ -174,16 +228,27 @@ def run(args: argparse.Namespace, config: Config, build: str, keep: Path) -> dic
         out["compiled_speedup"] = round(pure_wall / wall, 2)
         print(f"  wall {pure_wall:.0f}s in the pure build: {out['compiled_speedup']:.2f}x compiled", flush=True)
     if args.baseline_rev and not args.window_only:
-        print(f"the same replays at {args.baseline_rev} (pure):", flush=True)
-        base = at_revision(args.baseline_rev, __file__, _window_argv(args, k, keep))["window"]
-        key = f"wall_s_scale_{k:g}"
-        out["baseline_rev"] = {"rev": args.baseline_rev, "window": base}
-        for name, w in ((build, out["window"]), ("pure", out.get("pure_window"))):
-            if w is not None:
-                ratio = base[key] / w[key]  # type: ignore[index,operator]
-                out["baseline_rev"][f"speedup_{name}"] = round(ratio, 2)  # type: ignore[index]
-                print(f"  wall {base[key]:.0f}s at {args.baseline_rev}: this head {name} is {ratio:.2f}x faster", flush=True)  # type: ignore[index]
+        out["baseline_rev"] = against_revision(args, k, keep, config)
     return out
+
+
+def against_revision(args: argparse.Namespace, k: float, keep: Path, config: Config) -> dict[str, object]:
+    """The window's replays in this build and at ``--baseline-rev`` (built as that revision
+    builds itself), one right after the other, ``--reps`` times: the machine's speed drifts by a
+    third from one half-hour to the next, so each pair is timed within the same minutes and the
+    median of the pairs' ratios is the figure."""
+    key, pairs = f"wall_s_scale_{k:g}", []
+    with at_revision(args.baseline_rev) as at_rev:
+        for i in range(args.reps):
+            print(f"the window's replays, this head then {args.baseline_rev} ({i + 1}/{args.reps}):", flush=True)
+            head = whatif(args.minutes, args.engine, (k,), args.jobs, config, keep)
+            base = at_rev(__file__, _window_argv(args, k, keep))
+            ratio = base["window"][key] / head[key]  # type: ignore[index,operator]
+            pairs.append({"head_wall_s": head[key], "rev_wall_s": base["window"][key], "rev_build": base.get("build"), "speedup": round(ratio, 2)})  # type: ignore[index]
+            print(f"  wall {base['window'][key]:.0f}s at {args.baseline_rev} ({base.get('build')}): this head is {ratio:.2f}x faster", flush=True)  # type: ignore[index]
+    median = float(np.median([p["speedup"] for p in pairs]))
+    print(f"  median over {len(pairs)} pairs: this head is {median:.2f}x faster than {args.baseline_rev}", flush=True)
+    return {"rev": args.baseline_rev, "pairs": pairs, "median_speedup": round(median, 2)}
 
 
 def _window_argv(args: argparse.Namespace, k: float, keep: Path) -> list[str]:
