@@ -53,6 +53,13 @@ def _seq(r: Request) -> int:
     return r.seq
 
 
+def _live(entry: tuple[int, int, Request]) -> bool:
+    """Whether a stop heap entry (step, seq, request) is its request's current stop: one left
+    by a request that was made steady again since, or stopped being steady, is not."""
+    step, seq, r = entry
+    return r.steady and r.seq == seq and r.stop_step == step
+
+
 class BatchDecode:
     """The steady requests of one ``VLLMScheduler`` and their upcoming events."""
 
@@ -237,7 +244,7 @@ class BatchDecode:
         if budget < 0 or queued and budget and len(s.running) < s.max_num_seqs:
             return None
         heap = self.stops
-        while heap and not (heap[0][2].steady and heap[0][2].seq == heap[0][1] and heap[0][2].stop_step == heap[0][0]):
+        while heap and not _live(heap[0]):
             heapq.heappop(heap)  # left by a request that stopped being steady
         until = heap[0][0] - self.step if heap else MAX_RUN_STEPS
         free, bs = s.block_pool.get_num_free_blocks(), s.block_size
@@ -275,9 +282,9 @@ class BatchDecode:
         j, stops = self.step, []
         heap = self.stops
         while heap and heap[0][0] <= j:
-            st, seq, r = heapq.heappop(heap)
-            if r.steady and r.seq == seq and r.stop_step == st:
-                stops.append(r)
+            entry = heapq.heappop(heap)
+            if _live(entry):
+                stops.append(entry[2])
         if not stops:
             return scheduled
         for r in stops:
