@@ -97,6 +97,8 @@ def incident_window(minutes: float, engine: str, keep: Path | None, recording: P
             write_recording(recording, (scrape for _, scrape in ScenarioRun(incident(minutes), engine, record_steps=False).scrapes(INTERVAL)))
             simulated = time.perf_counter() - t0
         [window] = windows(s for scrape in read_recording(recording) for s in normalize_scrape(scrape, engine)).values()
+        if len(window) != round(minutes * 60 / INTERVAL):
+            raise SystemExit(f"{recording} holds {len(window)} scrapes, not {minutes:g} minutes' at {INTERVAL:g} s: another incident's")
     if keep is not None:
         keep.write_bytes(pickle.dumps({"key": key, "window": window}))
     return window, simulated
