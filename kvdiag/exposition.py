@@ -357,10 +357,17 @@ def _check_duplicates(fam: Family, text: str) -> None:
         seen.add(key)
 
 
+#: The longest prefix ``scan_prefixes`` names.
+PREFIX_CHARS = 32
+_METRIC_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
 def scan_prefixes(body: bytes | str, limit: int = 8) -> list[str]:
     """A few distinct metric-name prefixes in a body, for 'unknown engine' explanations.
 
-    Only used on the slow path, when no wanted family was found.
+    Only used on the slow path, when no wanted family was found. Only what reads as a metric
+    name is named, cut to PREFIX_CHARS: the body of something that is no exporter (what a
+    redirect or a misconfigured target answers) is never quoted into an error this way.
     """
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     seen: dict[str, None] = {}
@@ -368,7 +375,8 @@ def scan_prefixes(body: bytes | str, limit: int = 8) -> list[str]:
         if not line or line[0] == "#":
             continue
         name = re.split(r"[{ \t]", line, maxsplit=1)[0]
-        prefix = re.split(r"[:_]", name, maxsplit=1)[0] if name else ""
+        prefix = re.split(r"[:_]", name, maxsplit=1)[0] if _METRIC_NAME_RE.fullmatch(name) else ""
+        prefix = prefix[:PREFIX_CHARS]
         if prefix and prefix not in seen:
             seen[prefix] = None
             if len(seen) >= limit:

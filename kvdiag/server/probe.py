@@ -20,46 +20,12 @@ import re
 import socket
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
-from urllib.parse import urlsplit
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from kvdiag.sources.egress import is_metadata, metadata_host
+from kvdiag.sources.urls import InvalidURL, parse, valid_host
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str], list[str]]
-
-#: Host names of instance-metadata services, refused by name before any resolution:
-#: GCP (metadata.google.internal, metadata.goog, bare "metadata" in the VM's search domain),
-#: AWS EC2 (instance-data, instance-data.ec2.internal), Tencent Cloud (metadata.tencentyun.com).
-METADATA_NAMES = frozenset(
-    {"metadata.google.internal", "metadata.goog", "metadata", "instance-data", "instance-data.ec2.internal", "metadata.tencentyun.com"}
-)
-#: Platform addresses of the major clouds, and the link-local ranges they live in. Facts, from
-#: the providers' documentation:
-#: - 169.254.0.0/16 (IPv4 link-local): the instance metadata service of AWS, GCP, Azure, OCI,
-#:   Alibaba's ECS RAM role alias, DigitalOcean, OpenStack (169.254.169.254); AWS ECS task
-#:   metadata/credentials (169.254.170.2); EKS Pod Identity agent (169.254.170.23); Tencent
-#:   (169.254.0.23); AWS time sync (169.254.169.123) and DNS (169.254.169.253).
-#: - fe80::/10 (IPv6 link-local): OpenStack's IPv6 metadata anycast fe80::a9fe:a9fe.
-#: - fd00:ec2::254: AWS EC2 IMDS over IPv6; fd00:ec2::23: EKS Pod Identity agent over IPv6.
-#: - 168.63.129.16: Azure's WireServer / platform virtual IP (VM agent, health probes, DNS).
-#: - 100.100.100.200: Alibaba Cloud's instance metadata service.
-#: - 192.0.0.192: Oracle Cloud (OCI classic / Cloud@Customer) instance metadata.
-METADATA_NETWORKS = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "169.254.0.0/16",
-        "fe80::/10",
-        "fd00:ec2::254/128",
-        "fd00:ec2::23/128",
-        "168.63.129.16/32",
-        "100.100.100.200/32",
-        "192.0.0.192/32",
-    )
-)
-#: IPv6 prefixes whose low 32 bits carry an IPv4 address the packet ends up at: NAT64's
-#: well-known prefix (RFC 6052) and its local-use prefix (RFC 8215).
-NAT64_PREFIXES = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
-_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d (RFC 4291 2.5.5.1)
-_LABEL_RE = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 
 
 class ProbeRefused(PermissionError):
@@ -79,50 +45,6 @@ def resolve(host: str) -> list[str]:
     except UnicodeError:
         raise ProbeInvalid(f"{host!r} is not a valid host name") from None
     return sorted({info[4][0].split("%")[0] for info in infos})
-
-
-def embedded_ipv4(address: IPAddress) -> list[ipaddress.IPv4Address]:
-    """The IPv4 addresses an IPv6 address reaches or carries: mapped ``::ffff:a.b.c.d``,
-    compatible ``::a.b.c.d``, NAT64 ``64:ff9b::a.b.c.d``, 6to4 ``2002:AABB:CCDD::`` and the
-    Teredo client. A filter that looks at the IPv6 form alone lets all of these through."""
-    if address.version == 4:
-        return []
-    out = []
-    if address.ipv4_mapped is not None:
-        out.append(address.ipv4_mapped)
-    low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    if address in _IPV4_COMPATIBLE and int(address) > 1:
-        out.append(low32)
-    if any(address in net for net in NAT64_PREFIXES):
-        out.append(low32)
-    if address.sixtofour is not None:
-        out.append(address.sixtofour)
-    if address.teredo is not None:
-        out.extend(address.teredo)
-    return out
-
-
-def is_metadata(address: IPAddress) -> bool:
-    """A cloud platform address, in any of its IPv4 and IPv6 disguises."""
-    return any(a in net for a in (address, *embedded_ipv4(address)) for net in METADATA_NETWORKS)
-
-
-def valid_host(host: str) -> str:
-    """The host lower-cased without its trailing dot; ProbeInvalid when it is not a DNS name
-    (labels of 1-63 letters, digits, '-' or '_', 253 characters at most) or an IP literal."""
-    host = host.lower().rstrip(".")
-    if not host:
-        raise ProbeInvalid("the URL has no host")
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        pass
-    if not host.isascii():
-        raise ProbeInvalid(f"{host!r}: write international host names in punycode (xn--...)")
-    if len(host) > 253 or not all(_LABEL_RE.fullmatch(label) for label in host.split(".")):
-        raise ProbeInvalid(f"{host[:80]!r} is not a valid host name (labels of 1-63 letters, digits or '-')")
-    return host
 
 
 def host_matches(host: str, patterns: Iterable[str]) -> bool:
@@ -171,19 +93,13 @@ class Allowlist:
     def vet_url(self, target: str) -> tuple[str, list[str]]:
         url = target if "://" in target else "http://" + target
         try:
-            parts = urlsplit(url)
-            raw_host = parts.hostname or ""
-            parts.port  # noqa: B018 (raises ValueError on a bad port)
-        except ValueError as exc:
-            raise ProbeInvalid(f"not a URL: {exc}") from None
-        if parts.scheme not in ("http", "https"):
-            raise ProbeInvalid("only http:// and https:// URLs with a host can be probed")
-        if "[" in parts.netloc.rpartition("@")[2] and not _ipv6_literal(raw_host):
-            raise ProbeInvalid(f"{raw_host!r} in brackets is not an IPv6 address")
-        host = valid_host(raw_host)
+            parts = parse(url)
+            host = valid_host(parts.hostname or "")
+        except InvalidURL as exc:
+            raise ProbeInvalid(str(exc)) from None
         if parts.username is not None or parts.password is not None:
             raise ProbeRefused("credentials in the target URL are not accepted; configure probe.auth")
-        if host in METADATA_NAMES or any(host.endswith("." + n) for n in METADATA_NAMES if "." in n):
+        if metadata_host(host) and not _ip_literal(host):
             raise ProbeRefused(f"{host} is a cloud metadata service")
         addresses = [ipaddress.ip_address(a) for a in self.resolver(host)]
         if not addresses:
@@ -199,8 +115,9 @@ class Allowlist:
         raise ProbeRefused(f"{url} is not in the probe allowlist (probe.hosts, probe.cidrs, probe.regex)")
 
 
-def _ipv6_literal(host: str) -> bool:
+def _ip_literal(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).version == 6
+        ipaddress.ip_address(host)
+        return True
     except ValueError:
         return False

@@ -17,11 +17,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
-from urllib.parse import urlsplit
 
 import yaml
 
-from kvdiag.sources.scrape import split_userinfo
+from kvdiag.excerpt import excerpt
+from kvdiag.sources.urls import InvalidURL, parse, split_userinfo
 
 
 #: Labels kvdiag's own series carry; a target's extra labels may not reuse them.
@@ -95,18 +95,12 @@ def make_target(url: Any, labels: Any, where: str) -> Target:
 
 
 def check_url(url: str, where: str = "") -> None:
-    """Refuse what can never be scraped: another scheme, no host, a port outside 1-65535."""
+    """Refuse what can never be scraped (``kvdiag.sources.urls.parse``: another scheme, no
+    host or not a host name, a port outside 1-65535, whitespace or control characters)."""
     try:
-        parts = urlsplit(url if "://" in url else "http://" + url)
-        port = parts.port
-    except ValueError as exc:
-        raise TargetsError(f"{where}{url!r} is not a URL ({exc})") from None
-    if parts.scheme not in ("http", "https"):
-        raise TargetsError(f"{where}{url!r}: only http:// and https:// targets can be scraped")
-    if not parts.hostname:
-        raise TargetsError(f"{where}{url!r} has no host")
-    if port == 0:
-        raise TargetsError(f"{where}{url!r}: port 0 cannot be scraped")
+        parse(url)
+    except InvalidURL as exc:
+        raise TargetsError(f"{where}{excerpt(url)}: {exc}") from None
 
 
 def parse_file_sd(data: Any, where: str) -> list[Target]:

@@ -22,8 +22,11 @@ from typing import Iterable
 import requests
 
 from kvdiag import engines
+from kvdiag.excerpt import excerpt
 from kvdiag.exposition import SUFFIXES, Exposition, Family, Sample, sample_names
 from kvdiag.model import PoolSample
+from kvdiag.sources.egress import MAX_REDIRECTS, REDIRECT_STATUSES, RedirectRefused, follow
+from kvdiag.sources.urls import split_userinfo
 
 #: Prometheus refuses a query_range of more than 11,000 points per series.
 MAX_POINTS = 11_000
@@ -72,23 +75,42 @@ class Prometheus:
     """A client for the two API calls kvdiag needs."""
 
     def __init__(self, url: str, timeout: float = 30.0, session: requests.Session | None = None) -> None:
-        self.url = url.rstrip("/")
+        clean, userinfo = split_userinfo(url)
+        self.url = clean.rstrip("/")
         self.timeout = timeout
         self.http = session or requests.Session()
+        if userinfo is not None:  # basic auth, and a URL that never names the password
+            self.http.auth = userinfo
 
     def _call(self, path: str, params: dict[str, str]) -> list[dict]:
-        where = f"{self.url}{path}"
-        try:
-            resp = self.http.post(where, data=params, timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise PrometheusError(f"{where}: {type(exc).__name__}: {exc}") from None
+        """POST ``path``; redirects are followed by ``kvdiag.sources.egress``'s policy (within
+        the server's origin only), never by requests (which follows them anywhere)."""
+        where = url = f"{self.url}{path}"
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                resp = self.http.post(url, data=params, timeout=self.timeout, allow_redirects=False)
+            except requests.RequestException as exc:
+                raise PrometheusError(f"{where}: {type(exc).__name__}: {exc}") from None
+            if resp.status_code not in REDIRECT_STATUSES or not resp.headers.get("location"):
+                break
+            try:
+                url = follow(url, resp.status_code, resp.headers["location"])
+            except RedirectRefused as exc:
+                raise PrometheusError(f"{where}: {exc}") from None
+        else:
+            raise PrometheusError(f"{where}: more than {MAX_REDIRECTS} redirects")
         try:
             body = resp.json()
-        except ValueError:
-            raise PrometheusError(f"{where}: HTTP {resp.status_code}, not a Prometheus API answer") from None
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict) or body.get("status") not in ("success", "error"):
+            raise PrometheusError(f"{where}: HTTP {resp.status_code}, not a Prometheus API answer")
         if body.get("status") != "success":
-            raise PrometheusError(f"{where}: {body.get('errorType', 'error')}: {body.get('error', resp.status_code)}")
-        return body["data"]["result"]
+            raise PrometheusError(f"{where}: {excerpt(str(body.get('errorType', 'error')), 40)}: {excerpt(str(body.get('error', resp.status_code)), 300)}")
+        try:
+            return list(body["data"]["result"])
+        except (KeyError, TypeError):
+            raise PrometheusError(f"{where}: HTTP {resp.status_code}, an answer without data.result") from None
 
     def query_range(self, query: str, start: float, end: float, step: float) -> list[dict]:
         return self._call("/api/v1/query_range", {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}s"})

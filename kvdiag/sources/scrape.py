@@ -15,8 +15,10 @@ must not depend on DNS pass the addresses to connect to (``vet``).
 
 Bodies are capped in size (after decompression, so a gzip bomb is a refusal, not an
 allocation). Credentials in a URL (``http://user:pass@host``) are taken out of it before
-anything else happens: they become basic auth, and only the redacted URL is ever named in a
-Scrape, an error or a log line.
+anything else happens: they become basic auth (in place of any bearer token, as the URL names
+this one target's credentials), and only the redacted URL is ever named in a Scrape, an error
+or a log line. Redirects follow ``kvdiag.sources.egress``: within the target's origin only,
+to the addresses resolved for the first request.
 """
 
 from __future__ import annotations
@@ -30,20 +32,18 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
-from urllib.parse import SplitResult, urljoin, urlsplit, urlunsplit
+from urllib.parse import SplitResult
 
 from kvdiag.exposition import DEFAULT_MAX_BYTES
 from kvdiag.model import Scrape
+from kvdiag.sources.egress import MAX_REDIRECTS, REDIRECT_STATUSES, RedirectRefused, follow
+from kvdiag.sources.urls import InvalidURL, parse, redact, split_userinfo
 
 ACCEPT = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
 USER_AGENT = "kvdiag"
-#: Redirects followed for a configured target: a plain Starlette ``Mount("/metrics")`` answers
-#: ``/metrics`` with a 307 to ``/metrics/`` (SGLang 0.5.23 and vLLM 0.33.0 patch their mount's
-#: path regex to avoid it; proxies and other builds may not). Prometheus follows them by default.
-MAX_REDIRECTS = 5
 CHUNK = 65536
 
 #: Given a URL about to be fetched (the target, or where a redirect points), the addresses to
@@ -69,22 +69,6 @@ class Auth:
         return f"Auth(basic={'***' if self.basic else None}, bearer={'***' if self.bearer else None}, ca_file={self.ca_file!r}, insecure={self.insecure})"
 
 
-def split_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
-    """The URL without ``user:pass@`` and the credentials it carried (None when none)."""
-    parts = urlsplit(url if "://" in url else "http://" + url)
-    if "@" not in parts.netloc:
-        return url, None
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user, _, password = userinfo.partition(":")
-    clean = urlunsplit(parts._replace(netloc=hostport))
-    return (clean if "://" in url else clean.split("://", 1)[1]), (user, password)
-
-
-def redact(url: str) -> str:
-    """The URL as it may be shown: without userinfo."""
-    return split_userinfo(url)[0]
-
-
 def metrics_url(target: str) -> str:
     """A bare ``host:port`` or base URL gets ``/metrics``; a URL with a path is used as is."""
     url = target if "://" in target else "http://" + target
@@ -103,21 +87,23 @@ def scrape(
     """GET the target's metrics within ``timeout`` seconds in all; ScrapeError says why not
     (refused, timed out and in which phase, HTTP status, oversize, not UTF-8)."""
     clean, userinfo = split_userinfo(target)
-    if userinfo is not None:
-        auth = replace(auth or Auth(), basic=userinfo)
+    if userinfo is not None:  # this target's own credentials: basic auth, not the shared bearer
+        auth = replace(auth or Auth(), basic=userinfo, bearer=None)
     url = metrics_url(clean)
     deadline = time.monotonic() + timeout
-    origin = _origin(url)
-    addresses = _vetted(url, clean, vet, "")  # the target is vetted as it was given
+    # the target is vetted as it was given; without a vetter its name is resolved once, here,
+    # and every redirect (same origin, so the same host) connects to those addresses
+    addresses = _vetted(url, clean, vet, "")
     for _ in range(redirects + 1):
-        status, headers, body = _fetch(url, deadline, timeout, max_bytes, auth if _origin(url) == origin else None, addresses)
-        if status in (301, 302, 303, 307, 308) and headers.get("location"):
-            location = redact(urljoin(url, headers["location"]))
-            if urlsplit(location).scheme not in ("http", "https"):
-                raise ScrapeError(f"{url}: HTTP {status} redirect to a non-HTTP URL")
+        status, headers, body = _fetch(url, deadline, timeout, max_bytes, auth, addresses)  # one origin: one host's credentials
+        if status in REDIRECT_STATUSES and headers.get("location"):
+            try:
+                location = follow(url, status, headers["location"])
+            except RedirectRefused as exc:
+                raise ScrapeError(f"{url}: {exc}") from None
             if redirects == 0:
                 raise ScrapeError(f"{url}: HTTP {status} redirect to {location} (redirects are not followed here)")
-            addresses = _vetted(url, location, vet, f"HTTP {status} redirect to {location} ")
+            addresses = _vetted(url, location, vet, f"HTTP {status} redirect to {location} ") if vet is not None else addresses
             url = location
             continue
         if status != 200:
@@ -128,16 +114,6 @@ def scrape(
             raise ScrapeError(f"{url}: body is not UTF-8") from None
         return Scrape(time.time(), clean, headers.get("content-type"), text)
     raise ScrapeError(f"{metrics_url(clean)}: more than {redirects} redirects")
-
-
-def _origin(url: str) -> tuple[str, str | None, int | None]:
-    """(scheme, host, port): credentials go to the origin they were configured for only."""
-    p = urlsplit(url)
-    try:
-        port = p.port
-    except ValueError:
-        port = None  # _fetch refuses it with the reason
-    return p.scheme, p.hostname, port or (443 if p.scheme == "https" else 80)
 
 
 def _remaining(deadline: float) -> float:
@@ -172,37 +148,35 @@ class _DeadlineSocket:
         return io.BufferedReader(_DeadlineIO(self._sock, self._deadline), CHUNK)
 
 
-def _vetted(url: str, hop: str, vet: Vet | None, what: str) -> list[str] | None:
-    """The addresses ``vet`` allows for the next hop (None: resolve as usual)."""
+def _vetted(url: str, hop: str, vet: Vet | None, what: str) -> list[str]:
+    """The addresses to connect to for the next hop: those ``vet`` allows, else the name's
+    own (resolved once per scrape, so a rebinding name cannot move a redirect elsewhere)."""
     if vet is None:
-        return None
+        try:
+            return _resolve(parse(hop).hostname or "")
+        except InvalidURL as exc:
+            raise ScrapeError(f"{url}: {exc}") from None
+        except (OSError, ValueError) as exc:
+            raise ScrapeError(f"{url}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
     try:
         return list(vet(hop))
     except (PermissionError, ValueError) as exc:
         raise ScrapeError(f"{url}: {what}refused: {exc}") from None
 
 
-def _fetch(url: str, deadline: float, timeout: float, max_bytes: int, auth: Auth | None, addresses: list[str] | None) -> tuple[int, dict[str, str], bytes]:
+def _fetch(url: str, deadline: float, timeout: float, max_bytes: int, auth: Auth | None, addresses: list[str]) -> tuple[int, dict[str, str], bytes]:
     """One request: (status, lower-cased headers, decoded body); ScrapeError on any failure."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ScrapeError(f"{url}: only http:// and https:// URLs with a host can be scraped")
     try:
-        port = parts.port
-    except ValueError:
-        port = 0
-    if port == 0:
-        raise ScrapeError(f"{url}: the port is not a number from 1 to 65535")
-    port = port or (443 if parts.scheme == "https" else 80)
-    host = parts.hostname
-    try:
-        request = _request(parts, auth)
-    except ValueError as exc:
+        parts = parse(url)
+    except InvalidURL as exc:
         raise ScrapeError(f"{url}: {exc}") from None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    request = _request(parts, auth)
     phase = "connect"
     sock: socket.socket | None = None
     try:
-        sock = _connect(addresses if addresses is not None else _resolve(host), port, deadline)
+        sock = _connect(addresses, port, deadline)
         if parts.scheme == "https":
             phase = "TLS handshake"
             sock.settimeout(_remaining(deadline))
@@ -281,8 +255,6 @@ def _request(parts: SplitResult, auth: Auth | None) -> bytes:
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
-    if any(c <= " " or c == "\x7f" for c in path):
-        raise ValueError("the URL's path holds spaces or control characters")
     host = parts.netloc.rpartition("@")[2]
     lines = [
         f"GET {path} HTTP/1.1",

@@ -125,7 +125,7 @@ def test_the_command_refuses_a_bad_config_before_listening(tmp_path: Path, capsy
         ("checks:\n  saturated_usage: .nan\n", 2, "not a finite number"),
         ("targets:\n  - ftp://10.0.0.5:21\n", 2, "only http:// and https://"),
         ("targets:\n  - file:///etc/passwd\n", 2, "only http:// and https://"),
-        ("targets:\n  - http://10.0.0.5:99999\n", 2, "Port out of range"),
+        ("targets:\n  - http://10.0.0.5:99999\n", 2, "the port is not a number from 1 to 65535"),
         ("scrape:\n  auth:\n    ca_file: missing.pem\n", 3, "no such file"),
         ("listen: '[::1:5'\n", 1, "expected HOST:PORT"),
         ("scrape:\n  concurrency: 100000000\n", 2, "more than"),
