@@ -45,6 +45,7 @@ from kvdiag import config as checks_config
 from kvdiag.config import Config, ConfigError, parse_duration
 from kvdiag.exposition import DEFAULT_MAX_BYTES
 from kvdiag.server.probe import Allowlist, host_matches
+from kvdiag.server.secretfile import check_secret, read_secret
 from kvdiag.server.targets import Shard, Target, make_target
 from kvdiag.sources.scrape import Auth
 
@@ -147,17 +148,25 @@ _HOSTNAME_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
 
 
 def _secret(section: dict[str, Any], key: str, base: Path) -> str | None:
-    """A secret given inline (``key``) or, better, in a file (``key_file``)."""
-    if section.get(key) is not None and section.get(key + "_file") is not None:
+    """A secret given inline (``key``) or, better, in a file (``key_file``); None when neither
+    key is there. A key that is there but empty, or not a string, is an error: an empty
+    ``api_bearer_token:`` read as "no token" would leave the API open without a word."""
+    inline, in_file = key in section, key + "_file" in section
+    if inline and in_file:
         raise ValueError(f"give {key} or {key}_file, not both")
-    if section.get(key + "_file") is not None:
-        path = base / str(section[key + "_file"])
-        try:
-            return path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ValueError(f"{key}_file {path}: cannot read ({exc.strerror})") from None
-    value = section.get(key)
-    return None if value is None else str(value)
+    if in_file:
+        name = section[key + "_file"]
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{key}_file is {'empty' if name in (None, '') else 'not a file name'}: give the file that holds the secret, or remove the key")
+        return read_secret(base / name)
+    if not inline:
+        return None
+    value = section[key]
+    if value is None or value == "":
+        raise ValueError(f"{key} is empty: give the secret (better, {key}_file), or remove the key")
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string (quote it in YAML)")
+    return check_secret(value, key)
 
 
 def _auth(data: Any, base: Path) -> Auth:
@@ -239,11 +248,17 @@ def _probe_credentials(entry: Any, base: Path) -> ProbeCredentials:
     return ProbeCredentials(frozenset(h.lower().rstrip(".") for h in hosts), _auth({k: v for k, v in entry.items() if k != "hosts"}, base))
 
 
+def _api_token(s: Settings, given: dict[str, Any], base: Path) -> str | None:
+    if s.api_token is not None:
+        raise ValueError("give api_bearer_token or api_bearer_token_file, not both")
+    return _secret(given, "api_bearer_token", base)
+
+
 #: Top-level keys: how each is read into Settings (``checks`` is kvdiag.config's).
 _SECTIONS: dict[str, Callable[[Settings, Any, Path], Settings]] = {
     "listen": lambda s, v, b: replace(s, **dict(zip(("host", "port"), parse_listen(str(v))))),
-    "api_bearer_token": lambda s, v, b: replace(s, api_token=_secret({"t": v}, "t", b)),
-    "api_bearer_token_file": lambda s, v, b: replace(s, api_token=_secret({"t_file": v}, "t", b)),
+    "api_bearer_token": lambda s, v, b: replace(s, api_token=_api_token(s, {"api_bearer_token": v}, b)),
+    "api_bearer_token_file": lambda s, v, b: replace(s, api_token=_api_token(s, {"api_bearer_token_file": v}, b)),
     "shard": lambda s, v, b: replace(s, shard=Shard.parse(str(v))),
     "scrape": lambda s, v, b: replace(s, scrape=_scrape(v, b)),
     "targets": lambda s, v, b: replace(s, targets=_targets(v)),
