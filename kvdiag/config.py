@@ -188,13 +188,18 @@ def load(path: str | Path) -> Config:
         where[key] = f"{path}:{key_node.start_mark.line + 1}"
         if not isinstance(value_node, yaml.ScalarNode):
             raise ConfigError(f"{where[key]}: {SECTION}.{key}: expected a single value")
-        data[key] = value_of(value_node)
+        data[key] = value_of(value_node, path)
     return from_mapping(data, where)
 
 
-def value_of(node: yaml.Node) -> Any:
-    """The Python value of a composed node (an empty ``key:`` is None), without re-parsing."""
-    return yaml.SafeLoader("").construct_document(node)
+def value_of(node: yaml.Node, path: Path | None = None) -> Any:
+    """The Python value of a composed node (an empty ``key:`` is None), without re-parsing;
+    ConfigError (with the line) for a scalar that looks like a value it is not (2026-13-45)."""
+    try:
+        return yaml.SafeLoader("").construct_document(node)
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as exc:
+        where = f"{path}:{node.start_mark.line + 1}" if path is not None else f"line {node.start_mark.line + 1}"
+        raise ConfigError(f"{where}: {getattr(exc, 'problem', None) or exc}") from None
 
 
 def read_yaml(path: Path) -> yaml.Node | None:
@@ -210,11 +215,49 @@ def read_yaml(path: Path) -> yaml.Node | None:
     if deep is not None:
         raise ConfigError(f"{path}:{deep}: nested more than {MAX_DEPTH} levels deep")
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if root is not None:
+        _check_plain(root, path)
+    return root
+
+
+#: The node tags a config may hold: what plain YAML resolves to by itself.
+PLAIN_TAGS = frozenset("tag:yaml.org,2002:" + t for t in ("str", "int", "float", "bool", "null", "timestamp", "map", "seq"))
+
+
+def _check_plain(root: yaml.Node, path: Path) -> None:
+    """Refuse, with the line, what no section of kvdiag's config means and what would escape
+    the sections' own checks: an explicit tag (``!custom``, ``!!python/name:...``, which the
+    safe loader cannot construct: a traceback, not an error), a list or mapping used as a key,
+    a key given twice in any mapping (YAML keeps the last silently). Iterative, and each node
+    once (an alias shares its anchor's node)."""
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    seen: set[int] = set()
+    while stack:
+        node, at = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        where = f"{path}:{node.start_mark.line + 1}"
+        if node.tag not in PLAIN_TAGS:
+            raise ConfigError(f"{where}: the YAML tag {node.tag!r} is not allowed here (a config holds plain strings, numbers, booleans, lists and mappings)")
+        if isinstance(node, yaml.MappingNode):
+            keys: set[str] = set()
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode):
+                    kind = "list" if isinstance(key, yaml.SequenceNode) else "mapping"
+                    raise ConfigError(f"{path}:{key.start_mark.line + 1}: {at + '.' if at else ''}<{kind}>: a key must be a plain name, not a {kind}")
+                name = f"{at}.{key.value}" if at else key.value
+                if key.value in keys:
+                    raise ConfigError(f"{path}:{key.start_mark.line + 1}: {name} is given twice")
+                keys.add(key.value)
+                stack.extend(((key, name), (value, name)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(node.value))
 
 
 def _too_deep(text: str) -> int | None:

@@ -289,8 +289,9 @@ def load(path: str | Path) -> Settings:
         if key in seen:
             raise ConfigError(f"{where}: {key} is given twice")
         seen.add(key)
+        value = checks_config.value_of(value_node, path)
         try:
-            settings = _SECTIONS[key](settings, checks_config.value_of(value_node), path.parent)
+            settings = _SECTIONS[key](settings, value, path.parent)
         except FieldError as exc:
             line = _line(key_node, value_node, exc.path)
             raise ConfigError(f"{path}:{line}: {key}{''.join(_step(p) for p in exc.path)}: {exc.reason}") from None
