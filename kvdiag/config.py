@@ -16,20 +16,19 @@ A bad key or value is refused with the file, line and key at fault, never ignore
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
+from kvdiag.quantity import CHECK_DURATION, parse_duration  # noqa: F401 (parse_duration: read from here by the commands)
+
 SECTION = "checks"
 #: Deepest nesting a config may have (kvdiag's own goes 4 levels deep); deeper is refused
 #: before PyYAML's recursive composer can exhaust the stack.
 MAX_DEPTH = 16
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
 class ConfigError(ValueError):
@@ -85,22 +84,6 @@ class Config:
 KEYS = {f.name: f for f in fields(Config)}
 
 
-def parse_duration(raw: Any) -> float:
-    """``300``, ``"300s"``, ``"5m"``, ``"1h"`` to seconds."""
-    if isinstance(raw, bool):
-        raise ValueError(f"{raw!r} is not a duration")
-    if isinstance(raw, (int, float)):
-        seconds = float(raw)
-    else:
-        m = _DURATION_RE.match(str(raw))
-        if not m:
-            raise ValueError(f"{raw!r} is not a duration (e.g. 300, 90s, 5m, 1h)")
-        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-    if not math.isfinite(seconds):
-        raise ValueError(f"{raw!r} is not a finite duration")
-    return seconds
-
-
 def prom_duration(seconds: float) -> str:
     """Seconds as a Prometheus duration literal: the largest unit that divides it exactly."""
     for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
@@ -123,10 +106,7 @@ def parse_value(key: str, raw: Any) -> float:
         raise KeyError(f"unknown threshold {key!r}; known: {', '.join(KEYS)}")
     kind = KEYS[key].metadata["kind"]
     if kind == "duration":
-        v = parse_duration(raw)
-        if v <= 0:
-            raise ValueError(f"{raw!r} must be a positive duration")
-        return v
+        return replace(CHECK_DURATION, what=key).parse(raw)
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         raise ValueError(f"{raw!r} is not a number")
     try:

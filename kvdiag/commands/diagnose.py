@@ -28,6 +28,7 @@ from kvdiag.sources.inputs import is_url
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.files import read_path
 from kvdiag.sources.prometheus import PrometheusError, read_window
+from kvdiag.quantity import INTERVAL, SAMPLING, SINCE, STEP, TIMEOUT
 from kvdiag.sources.recording import RecordingError, read_recording
 from kvdiag.sources.scrape import ScrapeError, redact, scrape
 from kvdiag.window import windows
@@ -149,10 +150,10 @@ def collect(args: argparse.Namespace) -> Collected | None:
         res = read_window(
             args.prometheus,
             args.selector,
-            cfg.parse_duration(args.since),
-            cfg.parse_duration(args.step) if args.step else None,
+            SINCE.parse(args.since, "--since"),
+            STEP.parse(args.step, "--step") if args.step else None,
             engine=args.engine,
-            timeout=max(cfg.parse_duration(args.timeout), 30.0),
+            timeout=max(TIMEOUT.parse(args.timeout, "--timeout"), 30.0),
         )
         out.samples.extend(res.samples)
         out.problems.update(res.problems)
@@ -198,12 +199,8 @@ def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> No
     that counts failed scrapes. A URL that fails its first GIVE_UP_AFTER scrapes without ever
     answering is reported at once (one line, its reason) and no longer sampled; when no URL is
     left, sampling stops there instead of waiting out --duration."""
-    interval, duration = cfg.parse_duration(args.interval), cfg.parse_duration(args.duration)
-    if interval <= 0:
-        raise ValueError("--interval must be > 0")
-    timeout = cfg.parse_duration(args.timeout)
-    if timeout <= 0:
-        raise ValueError("--timeout must be > 0")
+    interval, duration = INTERVAL.parse(args.interval, "--interval"), SAMPLING.parse(args.duration, "--duration")
+    timeout = TIMEOUT.parse(args.timeout, "--timeout")
     rounds = int(duration // interval) + 1
     start = time.monotonic()
     failures: dict[str, int] = {}

@@ -13,6 +13,7 @@ from kvdiag.engines import UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import PoolSample
 from kvdiag.report.terminal import Fitted, inspect_table, provenance_table
+from kvdiag.quantity import TIMEOUT
 from kvdiag.sources.inputs import read_inputs
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.recording import RecordingError
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="*", metavar="URL|FILE", help="engine URL, saved exposition file or recording")
     p.add_argument("--replay", action="append", metavar="REC", help="a recording (.jsonl.gz) made by `kvdiag record`")
     p.add_argument("--engine", default="auto", choices=("auto", "sglang", "vllm"), help="expect this engine (default: detect)")
-    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per scrape (s)")
+    p.add_argument("--timeout", default="10s", metavar="DURATION", help="deadline of each scrape, connect to last byte (default 10s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--provenance", action="store_true", help="also print where every field came from")
     add_log_arguments(p)
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         streams = open_logs(args)
         if args.follow:
             return _follow(args, streams[0], latest)
-        for scrape in read_inputs(args.inputs, args.replay, args.timeout):
+        for scrape in read_inputs(args.inputs, args.replay, TIMEOUT.parse(args.timeout, "--timeout")):
             for s in normalize_scrape(scrape, args.engine):
                 latest.add(s)
         for stream in streams:

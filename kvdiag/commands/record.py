@@ -6,10 +6,9 @@ import argparse
 import sys
 import time
 
-from kvdiag.config import parse_duration
-
 from rich.progress import Progress
 
+from kvdiag.quantity import INTERVAL, SAMPLING, TIMEOUT
 from kvdiag.sources.recording import RecordingWriter
 from kvdiag.sources.scrape import ScrapeError, scrape
 
@@ -29,12 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        interval, duration, timeout = (parse_duration(getattr(args, k)) for k in ("interval", "duration", "timeout"))
+        interval = INTERVAL.parse(args.interval, "--interval")
+        duration = SAMPLING.parse(args.duration, "--duration")
+        timeout = TIMEOUT.parse(args.timeout, "--timeout")
     except ValueError as exc:
         print(f"kvdiag record: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    if interval <= 0 or duration < 0 or timeout <= 0:
-        print("kvdiag record: --interval and --timeout must be > 0 and --duration >= 0", file=sys.stderr)
         return EXIT_ERROR
     rounds = max(1, int(duration // interval) + 1)
     failures = 0

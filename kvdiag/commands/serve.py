@@ -15,9 +15,10 @@ import socket
 import sys
 from dataclasses import replace
 
-from kvdiag.config import ConfigError, parse_duration, with_overrides
+from kvdiag.config import ConfigError, with_overrides
+from kvdiag.quantity import INTERVAL
 from kvdiag.server import settings as serve_settings
-from kvdiag.server.settings import DEFAULT_HOST, DEFAULT_PORT, Settings, check_timing, is_loopback, parse_listen
+from kvdiag.server.settings import DEFAULT_HOST, DEFAULT_PORT, Settings, check_timing, check_window, is_loopback, parse_listen
 from kvdiag.server.targets import Shard, TargetsError, make_target
 
 EXIT_ERROR = 3
@@ -43,16 +44,14 @@ def resolve(args: argparse.Namespace) -> Settings:
         extra = tuple(make_target(url, None, f"--target {url}") for url in args.target)
         scrape = settings.scrape
         if args.interval:
-            scrape = replace(scrape, interval=parse_duration(args.interval))
-            if scrape.interval <= 0:
-                raise ValueError("--interval must be positive")
+            scrape = replace(scrape, interval=INTERVAL.parse(args.interval, "--interval"))
         check_timing(scrape)
         host, port = parse_listen(args.listen) if args.listen else (settings.host, settings.port)
         shard = Shard.parse(args.shard) if args.shard else settings.shard
     except (ValueError, TargetsError) as exc:
         raise ConfigError(str(exc)) from None
     overrides = list(args.set) + ([f"window={args.window}"] if args.window else [])
-    return replace(
+    resolved = replace(
         settings,
         targets=settings.targets + extra,
         scrape=scrape,
@@ -61,6 +60,11 @@ def resolve(args: argparse.Namespace) -> Settings:
         shard=shard,
         checks=with_overrides(settings.checks, overrides),
     )
+    try:
+        check_window(resolved)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return resolved
 
 
 def run(args: argparse.Namespace) -> int:

@@ -181,6 +181,13 @@ class ScrapeLoop:
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
+        try:
+            self._schedule()
+        except Exception:  # /healthz then answers 503; say why once, with the traceback
+            log.exception("the scrape loop stopped")
+            raise
+
+    def _schedule(self) -> None:
         interval = self.settings.scrape.interval
         while not self._stop.is_set():
             now = time.monotonic()

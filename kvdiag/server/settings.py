@@ -42,8 +42,9 @@ from typing import Any, Callable
 import yaml
 
 from kvdiag import config as checks_config
-from kvdiag.config import Config, ConfigError, parse_duration
+from kvdiag.config import Config, ConfigError
 from kvdiag.exposition import DEFAULT_MAX_BYTES
+from kvdiag.quantity import EVALUATE_EVERY, INTERVAL, MAX_BODY, TIMEOUT, Duration, Size
 from kvdiag.server.probe import Allowlist, host_matches
 from kvdiag.server.secretfile import check_secret, read_secret
 from kvdiag.server.targets import Shard, Target, make_target
@@ -54,6 +55,9 @@ DEFAULT_PORT = 10877
 DEFAULT_HOST = "127.0.0.1"
 #: Scrape or probe workers: each is a thread; beyond this a config is a typo, not a plan.
 MAX_CONCURRENCY = 4096
+#: Scrapes an instance's window may hold (window / interval): about a kilobyte each, so a few
+#: tens of megabytes per instance at most (a day at a 5 s interval is 17,280).
+MAX_WINDOW_ROWS = 20_000
 
 
 @dataclass(frozen=True)
@@ -191,16 +195,16 @@ def _auth(data: Any, base: Path) -> Auth:
 def _scrape(data: Any, base: Path) -> ScrapeSettings:
     data = _mapping(data, {"interval", "timeout", "concurrency", "max_body_bytes", "auth", "evaluate_every"})
 
-    def number(key: str, parse: Callable[[Any], float], default: float) -> float:
-        return _at((key,), lambda v: _positive(parse(v), key), data.get(key, default))
+    def quantity(key: str, q: Duration | Size, default: float) -> Any:
+        return _at((key,), q.parse, data.get(key, default))
 
-    timeout = number("timeout", parse_duration, 1.0) if "timeout" in data else None
+    timeout = quantity("timeout", TIMEOUT, 1.0) if "timeout" in data else None
     s = ScrapeSettings(
-        interval=number("interval", parse_duration, 5.0),
+        interval=quantity("interval", INTERVAL, 5.0),
         timeout=timeout,
-        concurrency=_at(("concurrency",), _bounded, int(number("concurrency", _int, 64)), "concurrency", MAX_CONCURRENCY),
-        max_bytes=int(number("max_body_bytes", _int, DEFAULT_MAX_BYTES)),
-        evaluate_every=number("evaluate_every", parse_duration, 15.0),
+        concurrency=_at(("concurrency",), _concurrency, data.get("concurrency", 64)),
+        max_bytes=quantity("max_body_bytes", MAX_BODY, DEFAULT_MAX_BYTES),
+        evaluate_every=quantity("evaluate_every", EVALUATE_EVERY, 15.0),
         auth=_at(("auth",), _auth, data["auth"], base) if data.get("auth") is not None else None,
     )
     _at(("timeout",) if timeout is not None else (), check_timing, s)
@@ -211,6 +215,16 @@ def check_timing(s: ScrapeSettings) -> None:
     """A scrape must end before the next one of the same target is due."""
     if s.effective_timeout > s.interval:
         raise ValueError(f"timeout {s.effective_timeout:g}s exceeds the interval {s.interval:g}s")
+
+
+def check_window(s: Settings) -> None:
+    """Each instance keeps a window of scrapes in memory: at most MAX_WINDOW_ROWS of them."""
+    rows = s.checks.window / s.scrape.interval
+    if rows > MAX_WINDOW_ROWS:
+        raise ValueError(
+            f"a {s.checks.window:g}s window at a {s.scrape.interval:g}s interval keeps {rows:.0f} scrapes per instance; "
+            f"at most {MAX_WINDOW_ROWS}: lengthen the interval or shorten the window"
+        )
 
 
 def _targets(data: Any) -> tuple[Target, ...]:
@@ -233,7 +247,7 @@ def _probe(data: Any, base: Path) -> ProbeSettings:
     hosts = _at(("hosts",), _strings, data.get("hosts"))
     cidrs = _at(("cidrs",), _strings, data.get("cidrs"))
     allowlist = _at(("cidrs",) if cidrs else (), Allowlist.build, hosts, cidrs, data.get("regex"))
-    concurrency = _at(("concurrency",), lambda v: _bounded(int(_positive(_int(v), "concurrency")), "concurrency", MAX_CONCURRENCY), data.get("concurrency", 16))
+    concurrency = _at(("concurrency",), _concurrency, data.get("concurrency", 16))
     entries = data.get("auth") or []
     if not isinstance(entries, list):
         raise FieldError(("auth",), "expected a list of {hosts: [...], <credentials>} entries")
@@ -299,6 +313,10 @@ def load(path: str | Path) -> Settings:
             raise ConfigError(f"{where}: {key}: {exc}") from None
     if settings.api_token == "":
         raise ConfigError(f"{path}: the API bearer token is empty")
+    try:
+        check_window(settings)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return settings
 
 
@@ -373,6 +391,11 @@ def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"{v!r} is not true or false")
     return v
+
+
+def _concurrency(v: Any) -> int:
+    """Workers: a whole number from 1 to MAX_CONCURRENCY."""
+    return _bounded(int(_positive(_int(v), "concurrency")), "concurrency", MAX_CONCURRENCY)
 
 
 def _bounded(v: int, what: str, most: int) -> int:
