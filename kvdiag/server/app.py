@@ -17,7 +17,7 @@ import asyncio
 import hmac
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import swagger_ui_bundle
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -32,12 +32,14 @@ from kvdiag import __version__, checks
 from kvdiag.commands.inspect import sample_json
 from kvdiag.config import Config
 from kvdiag.engines import ADAPTERS
+from kvdiag.excerpt import excerpt
 from kvdiag.model import NUMERIC_FIELDS, Diagnosis
 from kvdiag.report.json import diagnosis_json, dumps
 from kvdiag.server.collector import ExporterCollector
 from kvdiag.server.loop import ProbeBusy, ScrapeLoop
 from kvdiag.server.page import landing_page
 from kvdiag.server.probe import ProbeInvalid, ProbeRefused
+from kvdiag.server.settings import is_loopback
 from kvdiag.server.state import TargetState, fresh_instances, internal_error
 
 #: Where the Swagger UI files are served from (the installed package's copy, not a CDN).
@@ -79,6 +81,15 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
             swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
         )
+
+    if is_loopback(settings.host) and settings.api_token is None:
+
+        @app.middleware("http")
+        async def loopback_host_only(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            host = request.headers.get("host")
+            if host is not None and not loopback_host(host):
+                return SafeJSONResponse({"detail": rebinding_refusal(host)}, status_code=403)
+            return await call_next(request)
 
     bearer = HTTPBearer(auto_error=False, description="the api_bearer_token of the kvdiag config")
 
@@ -181,6 +192,33 @@ def create_app(loop: ScrapeLoop) -> FastAPI:
         return SafeJSONResponse({"status": "ready" if ok else "not ready", "targets": len(loop.targets)}, status_code=200 if ok else 503)
 
     return app
+
+
+def loopback_host(header: str) -> bool:
+    """A ``Host`` header that names this machine: localhost or a loopback address, any port.
+
+    An exporter bound to loopback without an API token trusts that only this machine can reach
+    it; a web page the operator opens can still reach it by a name of its own that resolves to
+    127.0.0.1 (DNS rebinding), and its requests carry that name. Refusing any other Host keeps
+    such a page from reading the API or driving /probe."""
+    name, port = header.strip(), ""
+    if name.startswith("[") and "]" in name:
+        name, rest = name[1:].split("]", 1)
+        if rest and not rest.startswith(":"):
+            return False
+        port = rest[1:]
+    elif name.count(":") == 1:
+        name, port = name.split(":")
+    if port and not port.isdigit():
+        return False
+    return is_loopback(name.lower().rstrip("."))
+
+
+def rebinding_refusal(header: str) -> str:
+    return (
+        f"Host {excerpt(header, 60)} is not this machine: an exporter on loopback without an API token answers "
+        "only to localhost or a loopback address (DNS rebinding guard); set api_bearer_token_file to serve it under another name"
+    )
 
 
 def prometheus_budget(header: str | None) -> float | None:

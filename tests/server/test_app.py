@@ -29,7 +29,7 @@ FAMILIES = {
 
 
 def client_for(loop: ScrapeLoop) -> TestClient:
-    return TestClient(create_app(loop))
+    return TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
 
 
 def diagnosed(loop: ScrapeLoop) -> bool:

@@ -174,7 +174,7 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
         assert finished, {n: (s.taken(), len(s.steps)) for n, s in stories.items()}
         assert wait_for(lambda: not any(t.busy for t in loop.snapshot()), timeout=10.0)  # scrapes in flight end
         assert all(t.up for t in loop.snapshot()), {t.url: t.error for t in loop.snapshot()}
-        client = TestClient(create_app(loop))
+        client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
         metrics = {f.name: f.samples for f in text_string_to_metric_families(client.get("/metrics").text)}
         verdicts = {d["instance"]: d for d in client.get("/api/v1/verdicts").json()["instances"]}
         rows = {r["instance"]: r for r in client.get("/api/v1/instances").json()["instances"]}
@@ -295,7 +295,7 @@ def test_probed_lmcache_joins_the_probed_vllm_instance(answers: Answers, start_l
     instance carries the tier and the tier's own probe shows only its health."""
     story = answers.stories["lmcache"]
     loop = start_loop(replace(settings_for([]), probe=ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]))))
-    client = TestClient(create_app(loop))
+    client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
 
     def probe(url: str) -> dict[str, list]:
         resp = client.get("/probe", params={"target": url})

@@ -276,7 +276,7 @@ def test_userinfo_becomes_basic_auth_and_appears_nowhere(raw_server: Callable[[H
     caplog.set_level("DEBUG")
     assert wait_for(lambda: loop.ready)
     assert seen[0] == "Basic c2NyYXBlcjpodW50ZXIy"  # scraper:hunter2
-    client = TestClient(create_app(loop))
+    client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
     outputs = [client.get("/metrics").text, client.get("/api/v1/instances").text, client.get("/api/v1/verdicts").text, caplog.text, repr(loop.targets)]
     assert all("hunter2" not in out for out in outputs)
     assert url in outputs[0]
@@ -318,7 +318,7 @@ def test_a_failure_at_any_stage_stays_with_its_target(stage: str, engines, start
             return loop.ready and bool(insts) and all(i.diagnosis and i.diagnosis.verdict.name != "unknown" for i in insts)
 
         assert wait_for(answered, timeout=15)
-        client = TestClient(create_app(loop))
+        client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
         resp_metrics, resp_rows, resp_verdicts = client.get("/metrics"), client.get("/api/v1/instances"), client.get("/api/v1/verdicts")
         assert resp_metrics.status_code == resp_rows.status_code == resp_verdicts.status_code == 200
         fams = {f.name: f for f in text_string_to_metric_families(resp_metrics.text)}
@@ -346,7 +346,7 @@ def test_a_probe_keeps_within_prometheus_timeout(raw_server: Callable[[Handle], 
 
     target = raw_server(lambda h: stop.wait(30))
     loop = start_loop(replace(settings_for([], interval=10.0, timeout=8.0), probe=ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]))))
-    resp = TestClient(create_app(loop)).get("/probe", params={"target": target}, headers={"X-Prometheus-Scrape-Timeout-Seconds": "1.5"})
+    resp = TestClient(create_app(loop), base_url="http://127.0.0.1:10877").get("/probe", params={"target": target}, headers={"X-Prometheus-Scrape-Timeout-Seconds": "1.5"})
     assert resp.status_code == 200 and "timed out after 1s in all" in (loop.probes[target].error or "")
     assert prometheus_budget("10") == 9.5 and prometheus_budget("0.4") == 0.2
     assert prometheus_budget(None) is prometheus_budget("soon") is prometheus_budget("nan") is prometheus_budget("-1") is None

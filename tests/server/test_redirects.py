@@ -141,7 +141,7 @@ def test_configured_and_file_sd_targets_leak_nothing(
         settings = replace(settings, targets=settings_for([to_loopback]).targets)
     loop = start_loop(settings)
     assert wait_for(lambda: len(loop.snapshot()) == 2 and all(s.last_scrape is not None for s in loop.snapshot()), timeout=20)
-    client = TestClient(create_app(loop))
+    client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
     instances = client.get("/api/v1/instances").text
     verdicts = client.get("/api/v1/verdicts").text
     for text in (instances, verdicts, caplog.text):
@@ -157,7 +157,7 @@ def test_probe_keeps_the_same_policy(raw_server: Callable[[Handle], str], metada
     target = raw_server(redirector(meta_url + "/"))
     # the allowlist covers both loopback servers: only the redirect policy stands in the way
     loop = start_loop(replace(settings_for([]), probe=ProbeSettings(Allowlist.build(cidrs=["127.0.0.0/8"]))))
-    client = TestClient(create_app(loop))
+    client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
     resp = client.get("/probe", params={"target": target})
     assert resp.status_code == 200 and SECRET not in resp.text
     assert "within the target's own scheme, host and port only" in (loop.probes[target].error or "")
