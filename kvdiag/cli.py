@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kvdiag import __version__
@@ -41,6 +42,20 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of our output went away (``kvdiag inspect --json | head``): stop quietly, as
+    a Unix filter does, with the shell's code for SIGPIPE. stdout is pointed at /dev/null so
+    that Python's own flush at exit does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured)
+        pass
+    return 141
 
 
 if __name__ == "__main__":

@@ -52,9 +52,9 @@ def plan(args: argparse.Namespace) -> cap.Plan:
         raise ValueError(f"--swa-full-tokens-ratio: {spec.name} has no sliding-window layers")
     if ratio is not None and not 0 < ratio <= 1:
         raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
+    for flag in ("pool_gib_per_gpu", "gpu_mem_gib", "weights_gib"):
+        _check_gib(getattr(args, flag), "--" + flag.replace("_", "-"))
     if args.pool_gib_per_gpu is not None:
-        if args.pool_gib_per_gpu <= 0:
-            raise ValueError("--pool-gib-per-gpu must be > 0")
         return cap.Plan(spec, args.kv_dtype, args.tp, int(args.pool_gib_per_gpu * cap.GIB), swa_full_tokens_ratio=ratio)
     if args.gpu is None and args.gpu_mem_gib is None:
         raise ValueError("give --pool-gib-per-gpu, or --gpu / --gpu-mem-gib with --mem-fraction")
@@ -68,6 +68,16 @@ def plan(args: argparse.Namespace) -> cap.Plan:
         hint = None if args.weights_gib is not None else _weight_dtype_hint(spec, args, gpu_bytes)
         raise ValueError(f"{exc}{hint or ''}") from None
     return cap.Plan(spec, args.kv_dtype, args.tp, pool, per_gpu, swa_full_tokens_ratio=ratio)
+
+
+#: The most GiB a per-GPU figure may be (64 TiB): beyond it a flag is a typo, and its bytes
+#: would overflow the integer conversions (1e308 GiB is infinity in bytes).
+MAX_GIB = float(1 << 16)
+
+
+def _check_gib(value: float | None, flag: str) -> None:
+    if value is not None and not 0 < value <= MAX_GIB:  # NaN fails both comparisons
+        raise ValueError(f"{flag} must be more than 0 and at most {MAX_GIB:g} GiB, not {value:g}")
 
 
 def _weight_dtype_hint(spec: cap.ModelSpec, args: argparse.Namespace, gpu_bytes: float) -> str | None:

@@ -22,13 +22,14 @@ from kvdiag.checks import diagnose_all, exit_code, undiagnosable
 from kvdiag.engines import UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import PoolSample, Scrape
+from kvdiag.quantity import INTERVAL, SAMPLING, SINCE, STEP, TIMEOUT
 from kvdiag.report import diagnosis as terminal
 from kvdiag.report.json import dumps, report_json
+from kvdiag.report.output import check_writable
 from kvdiag.sources.inputs import is_url
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.files import read_path
 from kvdiag.sources.prometheus import PrometheusError, read_window
-from kvdiag.quantity import INTERVAL, SAMPLING, SINCE, STEP, TIMEOUT
 from kvdiag.sources.recording import RecordingError, read_recording
 from kvdiag.sources.scrape import ScrapeError, redact, scrape
 from kvdiag.window import windows
@@ -105,6 +106,8 @@ class Collected:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.html:
+            check_writable(args.html, "--html")
         config = thresholds(args)
         collected = collect(args)
     except (cfg.ConfigError, ValueError, OSError, RecordingError, PrometheusError) as exc:

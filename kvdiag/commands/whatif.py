@@ -30,6 +30,7 @@ from kvdiag.commands.diagnose import add_source_arguments, add_threshold_argumen
 from kvdiag.exposition import ExpositionError
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.report.json import dumps
+from kvdiag.report.output import check_writable
 from kvdiag.sources.prometheus import PrometheusError
 from kvdiag.sources.recording import RecordingError
 from kvdiag.whatif.fit import Fit, FitError, fit
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             parse(text)  # a misspelt remedy fails before any sampling
         if args.follow:
             raise ValueError("--follow does not apply to whatif (it replays a window that has ended)")
+        if args.html:
+            check_writable(args.html, "--html")
         if args.jobs < 0:
             raise ValueError("--jobs must be >= 0")
         scale = _scale(args.scale)

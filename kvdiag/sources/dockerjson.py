@@ -52,7 +52,7 @@ def record(raw: str) -> tuple[str, str | None, str] | None:
         return None
     try:
         obj = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply to be a record
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("log"), str):
         return None
