@@ -19,7 +19,7 @@ from rich.progress import Progress
 
 from kvdiag import config as cfg
 from kvdiag.checks import diagnose_all, exit_code, undiagnosable
-from kvdiag.engines import UnknownEngine, normalize_scrape
+from kvdiag.engines import TooManyInstances, UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError
 from kvdiag.model import PoolSample, Scrape
 from kvdiag.quantity import INTERVAL, SAMPLING, SINCE, STEP, TIMEOUT
@@ -93,7 +93,7 @@ class Collected:
         try:
             self.samples.extend(normalize_scrape(s, engine))
             self.answered.add(s.target)
-        except (UnknownEngine, ExpositionError) as exc:
+        except (UnknownEngine, ExpositionError, TooManyInstances) as exc:
             self.problems.setdefault(s.target, str(exc))
         except Exception as exc:  # noqa: BLE001 (contained per target, and named)
             self.problems.setdefault(s.target, f"internal error reading this target: {type(exc).__name__}: {exc}")

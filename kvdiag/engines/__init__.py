@@ -98,7 +98,14 @@ def detect(expo: Exposition, body: str | bytes = "", engine: str = "auto") -> Mo
     )
 
 
-def normalize_scrape(scrape: Scrape, engine: str = "auto", max_instances: int | None = None) -> list[PoolSample]:
+#: Instances (data-parallel ranks, engines of a multi-engine server) one exposition may hold:
+#: each costs a window of memory in the exporter and a row in every view, so a body with
+#: thousands of label values is refused, by the exporter and the commands alike, before any
+#: instance is normalized.
+MAX_INSTANCES = 256
+
+
+def normalize_scrape(scrape: Scrape, engine: str = "auto", max_instances: int | None = MAX_INSTANCES) -> list[PoolSample]:
     """Exposition text of one scrape to one PoolSample per engine instance.
 
     ``max_instances`` refuses a body that claims more instances than that before any of them

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from threading import Lock
 from typing import Callable
 
@@ -40,9 +40,6 @@ Tiers = Callable[[], list["InstanceState"]]
 
 #: The TTFT quantile published as kvdiag_ttft_p99_seconds (the checks' own quantile is a setting).
 P99 = 0.99
-#: Instances (data-parallel ranks) one target may hold; each costs a window of memory, so a
-#: body with thousands of label values is refused rather than allowed to exhaust it.
-MAX_INSTANCES_PER_TARGET = 256
 
 
 @dataclass(frozen=True)
@@ -126,12 +123,10 @@ def scrape_into(state: TargetState, opts: ScrapeOptions, diagnose: Diagnose, und
     """Scrape one target once and update its state; never raises for a target's fault. Its
     engine samples join the KV tiers ``tiers`` returns (``join``)."""
     start, started_at = time.monotonic(), time.time()
-    auth = opts.auth
-    if state.target.basic is not None:
-        auth = replace(auth or Auth(), basic=state.target.basic)
     try:
+        auth = Auth.with_userinfo(opts.auth, state.target.basic)
         got = scrape(state.url, opts.timeout, opts.max_bytes, auth=auth, redirects=opts.redirects, vet=opts.vet)
-        samples = normalize_scrape(got, state.engine, MAX_INSTANCES_PER_TARGET)
+        samples = normalize_scrape(got, state.engine)  # at most engines.MAX_INSTANCES instances
         if tiers is not None:
             join(samples, tiers())
     except (ScrapeError, ExpositionError, UnknownEngine, TooManyInstances) as exc:

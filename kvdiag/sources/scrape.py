@@ -65,6 +65,15 @@ class Auth:
     ca_file: str | None = None
     insecure: bool = False
 
+    @staticmethod
+    def with_userinfo(auth: "Auth | None", userinfo: tuple[str, str] | None) -> "Auth | None":
+        """The credentials for a target whose URL carried ``user:pass@``: those, as basic auth,
+        in place of the shared ones (a bearer token would be sent instead of them otherwise);
+        the TLS settings stay."""
+        if userinfo is None:
+            return auth
+        return replace(auth or Auth(), basic=userinfo, bearer=None)
+
     def __repr__(self) -> str:  # secrets stay out of logs and tracebacks
         return f"Auth(basic={'***' if self.basic else None}, bearer={'***' if self.bearer else None}, ca_file={self.ca_file!r}, insecure={self.insecure})"
 
@@ -87,8 +96,7 @@ def scrape(
     """GET the target's metrics within ``timeout`` seconds in all; ScrapeError says why not
     (refused, timed out and in which phase, HTTP status, oversize, not UTF-8)."""
     clean, userinfo = split_userinfo(target)
-    if userinfo is not None:  # this target's own credentials: basic auth, not the shared bearer
-        auth = replace(auth or Auth(), basic=userinfo, bearer=None)
+    auth = Auth.with_userinfo(auth, userinfo)
     url = metrics_url(clean)
     deadline = time.monotonic() + timeout
     # the target is vetted as it was given; without a vetter its name is resolved once, here,

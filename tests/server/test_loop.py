@@ -170,7 +170,7 @@ def test_a_shard_scrapes_only_its_targets() -> None:
 
 def test_a_target_claiming_thousands_of_instances_is_refused(raw_server: Callable[[Handle], str], start_loop: Callable[[Settings], ScrapeLoop]) -> None:
     from kvdiag.refpool.emit import EngineState
-    from kvdiag.server.state import MAX_INSTANCES_PER_TARGET
+    from kvdiag.engines import MAX_INSTANCES as MAX_INSTANCES_PER_TARGET
 
     states = [EngineState(capacity_tokens=1000, running=1) for _ in range(MAX_INSTANCES_PER_TARGET + 1)]
     body = render("vllm", states, openmetrics=False).encode()
