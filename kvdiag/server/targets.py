@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import yaml
 
 from kvdiag.excerpt import excerpt
-from kvdiag.sources.urls import InvalidURL, parse, split_userinfo
+from kvdiag.sources.urls import InvalidURL, parse, redact, split_userinfo
 
 
 #: Labels kvdiag's own series carry; a target's extra labels may not reuse them.
@@ -89,8 +89,8 @@ def make_target(url: Any, labels: Any, where: str) -> Target:
             raise TargetsError(f"{where}{name!r} is not a valid Prometheus label name")
         if name in RESERVED_LABELS:
             raise TargetsError(f"{where}label {name!r} is set by kvdiag itself; pick another name")
+    check_url(url.strip(), where)  # as written: urlsplit drops tabs and newlines where it rebuilds
     clean, basic = split_userinfo(url.strip())
-    check_url(clean, where)
     return Target(clean, tuple(sorted((str(k), str(v)) for k, v in labels.items())), basic)
 
 
@@ -100,7 +100,7 @@ def check_url(url: str, where: str = "") -> None:
     try:
         parse(url)
     except InvalidURL as exc:
-        raise TargetsError(f"{where}{excerpt(url)}: {exc}") from None
+        raise TargetsError(f"{where}{excerpt(redact(url))}: {exc}") from None
 
 
 def parse_file_sd(data: Any, where: str) -> list[Target]:

@@ -153,9 +153,9 @@ def _gunzip(fh: BinaryIO, path: Path) -> Iterator[tuple[bytes | None, int]]:
         if not data or (inflate.eof and len(data) < 2):
             more = fh.read(CHUNK)
             if not more:
-                if inflate.eof and data.strip(b"\x00"):
+                if inflate.eof and data.strip(b"\x00") and not b"\x1f\x8b".startswith(data):
                     raise RecordingError(f"{path}: bytes after gzip data at byte {offset} are not a gzip member")
-                if started and not inflate.eof:
+                if (started and not inflate.eof) or (inflate.eof and data == b"\x1f"):  # cut inside a member
                     tail = inflate.flush()
                     if tail:
                         yield tail, offset
@@ -193,7 +193,7 @@ def _scrape(raw: bytes, path: Path, lineno: int) -> Scrape:
             raise TypeError("content_type must be a string or null")
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise TypeError("ts must be a finite number of seconds")
-        if any(c < " " or c == "\x7f" for c in target):
+        if not target.isprintable():  # C0, C1 (\x9b opens a terminal escape), bidi overrides
             raise TypeError("target holds control characters")
         return Scrape(float(ts), redact(target), ctype, body)
     except RecursionError:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 from urllib.parse import SplitResult
 
+from kvdiag.excerpt import excerpt
 from kvdiag.exposition import DEFAULT_MAX_BYTES
 from kvdiag.model import Scrape
 from kvdiag.sources.egress import MAX_REDIRECTS, REDIRECT_STATUSES, RedirectRefused, follow
@@ -95,6 +96,10 @@ def scrape(
 ) -> Scrape:
     """GET the target's metrics within ``timeout`` seconds in all; ScrapeError says why not
     (refused, timed out and in which phase, HTTP status, oversize, not UTF-8)."""
+    try:
+        parse(target)  # as written: splitting the userinfo off rebuilds the URL without tabs and newlines
+    except InvalidURL as exc:
+        raise ScrapeError(f"{excerpt(redact(target))}: {exc}") from None
     clean, userinfo = split_userinfo(target)
     auth = Auth.with_userinfo(auth, userinfo)
     url = metrics_url(clean)

@@ -16,6 +16,7 @@ _LABEL_RE = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 #: Characters no URL kvdiag fetches may hold anywhere: whitespace and controls would end up
 #: in the request line or a header (request smuggling), or name a different resource.
 _UNSAFE_RE = re.compile(r"[\x00-\x20\x7f]")
+_BRACKETED_RE = re.compile(r"\[[0-9A-Fa-f:.]+\](?::[0-9]*)?")
 
 
 class InvalidURL(ValueError):
@@ -23,8 +24,12 @@ class InvalidURL(ValueError):
 
 
 def split_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
-    """The URL without ``user:pass@`` and the credentials it carried (None when none)."""
-    parts = urlsplit(url if "://" in url else "http://" + url)
+    """The URL without ``user:pass@`` and the credentials it carried (None when none). A URL
+    that does not split is given back as it is: ``parse`` says what is wrong with it."""
+    try:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+    except ValueError:
+        return url, None
     if "@" not in parts.netloc:
         return url, None
     userinfo, _, hostport = parts.netloc.rpartition("@")
@@ -60,7 +65,7 @@ def parse(url: str) -> SplitResult:
     """``url`` (``host:port`` gets ``http://``) taken apart, when kvdiag can fetch it: http or
     https, a valid host, a port from 1 to 65535 when one is written, no whitespace or control
     character anywhere. InvalidURL says what is wrong."""
-    if _UNSAFE_RE.search(url):
+    if _UNSAFE_RE.search(url) or not url.isprintable():
         raise InvalidURL("the URL holds spaces or control characters")
     try:
         parts = urlsplit(url if "://" in url else "http://" + url)
@@ -73,8 +78,8 @@ def parse(url: str) -> SplitResult:
     if parts.scheme not in ("http", "https"):
         raise InvalidURL("only http:// and https:// URLs with a host can be scraped")
     hostport = parts.netloc.rpartition("@")[2]
-    if "[" in hostport and not _ipv6_literal(parts.hostname or ""):
-        raise InvalidURL(f"{(parts.hostname or '')[:80]!r} in brackets is not an IPv6 address")
+    if "[" in hostport and not (_ipv6_literal(parts.hostname or "") and _BRACKETED_RE.fullmatch(hostport)):
+        raise InvalidURL(f"{hostport[:80]!r} is not an IPv6 address in brackets (and a port)")
     valid_host(parts.hostname or "")
     if port == 0 or (port is None and hostport.endswith(":")):
         raise InvalidURL("the port is not a number from 1 to 65535")
