@@ -76,7 +76,7 @@ def exposition(draw: st.DrawFn) -> tuple[str, str | None]:
     return body, ("application/openmetrics-text; version=1.0.0" if om else None)
 
 
-@settings(FUZZ, max_examples=600)
+@settings(FUZZ, max_examples=400)
 @given(exposition())
 def test_fuzz_exposition(case: tuple[str, str | None]) -> None:
     body, ctype = case
@@ -222,7 +222,7 @@ URL_PIECES = ["http://", "https://", "ftp://", "", "u:p@", "@", "127.0.0.1", "10
 RESOLVED = Allowlist.build(cidrs=["0.0.0.0/0", "::/0"], resolver=lambda host: ["10.0.0.9"])
 
 
-@settings(FUZZ, max_examples=3000)
+@settings(FUZZ, max_examples=2000)
 @given(st.lists(st.one_of(st.sampled_from(URL_PIECES), st.text(max_size=4)), min_size=1, max_size=8))
 def test_fuzz_url(pieces: list[str]) -> None:
     """One reading of a URL for config, /probe, the scrape and redirects: what config accepts
