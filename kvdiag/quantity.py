@@ -54,6 +54,8 @@ def parse_size(raw: Any) -> int:
 
 
 def _seconds(v: float) -> str:
+    if v == 0:
+        return "0"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if v >= size:
             return f"{v / size:g}{unit}"
@@ -61,51 +63,43 @@ def _seconds(v: float) -> str:
 
 
 def _bytes(v: float) -> str:
-    for unit in ("GiB", "MiB", "KiB"):
-        size = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}[unit]
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if v >= size and v % size == 0:
             return f"{int(v // size)}{unit}"
     return f"{int(v)} bytes"
 
 
 @dataclass(frozen=True)
-class Duration:
-    """A duration setting: seconds from ``least`` to ``most``, both included."""
+class _Range:
+    """A setting read by ``_read`` and shown by ``_show``, from ``least`` to ``most`` included."""
 
     what: str
     least: float
     most: float
+    _read = staticmethod(parse_duration)
+    _show = staticmethod(_seconds)
 
-    def parse(self, raw: Any, name: str | None = None) -> float:
-        """Seconds; ValueError saying what was given and the range (prefixed with ``name``,
+    def parse(self, raw: Any, name: str | None = None) -> Any:
+        """The value; ValueError saying what was given and the range (prefixed with ``name``,
         e.g. a command's flag, where the caller does not name the setting itself)."""
         try:
-            v = parse_duration(raw)
+            v = self._read(raw)
             if not self.least <= v <= self.most:
-                low = _seconds(self.least) if self.least else "0"
-                raise ValueError(f"{str(raw)[:40]} is out of range for {self.what}: from {low} to {_seconds(self.most)}")
+                raise ValueError(f"{str(raw)[:40]} is out of range for {self.what}: from {self._show(self.least)} to {self._show(self.most)}")
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}" if name else str(exc)) from None
         return v
 
 
-@dataclass(frozen=True)
-class Size:
-    """A size setting: bytes from ``least`` to ``most``, both included."""
+class Duration(_Range):
+    """A duration setting, in seconds."""
 
-    what: str
-    least: int
-    most: int
 
-    def parse(self, raw: Any, name: str | None = None) -> int:
-        """Bytes; ValueError as ``Duration.parse``."""
-        try:
-            v = parse_size(raw)
-            if not self.least <= v <= self.most:
-                raise ValueError(f"{str(raw)[:40]} is out of range for {self.what}: from {_bytes(self.least)} to {_bytes(self.most)}")
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}" if name else str(exc)) from None
-        return v
+class Size(_Range):
+    """A size setting, in bytes."""
+
+    _read = staticmethod(parse_size)
+    _show = staticmethod(_bytes)
 
 
 #: Between two scrapes of one target: above 10 ms (the loop's own overhead is of that order), at

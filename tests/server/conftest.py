@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -14,7 +15,7 @@ from kvdiag.refpool.emit import content_type, render
 from kvdiag.refpool.scripted import SaturationStory
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.loop import ScrapeLoop
-from kvdiag.server.settings import ScrapeSettings, Settings
+from kvdiag.server.settings import ScrapeSettings, Settings, load
 from kvdiag.server.targets import Target
 
 
@@ -78,7 +79,8 @@ Handle = Callable[[BaseHTTPRequestHandler], None]
 
 @pytest.fixture
 def raw_server() -> Iterator[Callable[[Handle], str]]:
-    """Loopback servers whose GET handler is written by the test (hangs, trickles, floods)."""
+    """Loopback servers whose GET handler is written by the test (hangs, trickles, floods); a
+    POST (a Prometheus API call) is answered by the same handler once its body is read."""
     started: list[ThreadingHTTPServer] = []
 
     def start(handle: Handle) -> str:
@@ -88,6 +90,10 @@ def raw_server() -> Iterator[Callable[[Handle], str]]:
                     handle(self)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the scraper hung up (cap or timeout): expected
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.do_GET()
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -102,6 +108,13 @@ def raw_server() -> Iterator[Callable[[Handle], str]]:
     for s in started:
         s.shutdown()
         s.server_close()
+
+
+def load_config(folder: Path, text: str) -> Settings:
+    """The exporter's settings from ``text`` written as ``folder/kvdiag.yaml``."""
+    path = folder / "kvdiag.yaml"
+    path.write_text(text)
+    return load(path)
 
 
 def reply(h: BaseHTTPRequestHandler, status: int, body: bytes, ctype: str = "text/plain; version=0.0.4") -> None:

@@ -12,13 +12,7 @@ import pytest
 from kvdiag.cli import main
 from kvdiag.config import ConfigError
 from kvdiag.quantity import INTERVAL, MAX_BODY, TIMEOUT, parse_size
-from kvdiag.server import settings as serve_settings
-
-
-def load(tmp_path: Path, text: str) -> serve_settings.Settings:
-    path = tmp_path / "kvdiag.yaml"
-    path.write_text(text)
-    return serve_settings.load(path)
+from tests.server.conftest import load_config
 
 
 @pytest.mark.parametrize(
@@ -38,11 +32,11 @@ def load(tmp_path: Path, text: str) -> serve_settings.Settings:
 )
 def test_config_bounds(tmp_path: Path, text: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
-        load(tmp_path, text)
+        load_config(tmp_path, text)
 
 
 def test_sizes_and_durations_in_range(tmp_path: Path) -> None:
-    s = load(tmp_path, "scrape:\n  interval: 15s\n  timeout: 500ms\n  max_body_bytes: 32MiB\nchecks:\n  window: 1d\n")
+    s = load_config(tmp_path, "scrape:\n  interval: 15s\n  timeout: 500ms\n  max_body_bytes: 32MiB\nchecks:\n  window: 1d\n")
     assert (s.scrape.interval, s.scrape.timeout, s.scrape.max_bytes, s.checks.window) == (15.0, 0.5, 32 << 20, 86400.0)
     assert parse_size("64KB") == 64_000 and MAX_BODY.parse(16777216) == 16777216
     assert INTERVAL.parse("10ms") == 0.01 and TIMEOUT.parse(3600) == 3600.0

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 from fastapi.testclient import TestClient
@@ -164,48 +163,19 @@ def test_probe_keeps_the_same_policy(raw_server: Callable[[Handle], str], metada
     assert asked == []
 
 
-class _Post(BaseHTTPRequestHandler):
-    answer: Callable[[BaseHTTPRequestHandler], None]
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server API)
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        type(self).answer(self)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def post_server() -> Iterator[Callable[[Callable[[BaseHTTPRequestHandler], None]], str]]:
-    started: list[ThreadingHTTPServer] = []
-
-    def start(answer: Callable[[BaseHTTPRequestHandler], None]) -> str:
-        handler = type("Handler", (_Post,), {"answer": staticmethod(answer)})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield start
-    for s in started:
-        s.shutdown()
-        s.server_close()
-
-
-def test_the_prometheus_source_keeps_the_same_policy(post_server, metadata: tuple[str, list[str]]) -> None:  # type: ignore[no-untyped-def]
+def test_the_prometheus_source_keeps_the_same_policy(raw_server: Callable[[Handle], str], metadata: tuple[str, list[str]]) -> None:
     meta_url, asked = metadata
     for location in (METADATA, meta_url + "/api/v1/query_range"):
-        prom = post_server(redirector(location))
+        prom = raw_server(redirector(location))
         with pytest.raises(PrometheusError, match="refused") as err:
             read_window(prom, since=60, timeout=5)
         assert SECRET not in str(err.value)
     assert asked == []
 
 
-def test_a_prometheus_error_is_quoted_bounded(post_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_prometheus_error_is_quoted_bounded(raw_server: Callable[[Handle], str]) -> None:
     body = json.dumps({"status": "error", "errorType": "bad_data", "error": "\x1b[31m" + "x" * 5000}).encode()
-    prom = post_server(lambda h: reply(h, 400, body, "application/json"))
+    prom = raw_server(lambda h: reply(h, 400, body, "application/json"))
     with pytest.raises(PrometheusError) as err:
         read_window(prom, since=60, timeout=5)
     assert "\x1b" not in str(err.value) and len(str(err.value)) < 600

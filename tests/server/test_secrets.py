@@ -12,16 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag.config import ConfigError
-from kvdiag.server import settings as serve_settings
 from kvdiag.server.secretfile import MAX_SECRET_BYTES, read_secret
+from tests.server.conftest import load_config
 
 HANG_GUARD_S = 120
-
-
-def load(tmp_path: Path, text: str) -> serve_settings.Settings:
-    path = tmp_path / "kvdiag.yaml"
-    path.write_text(text)
-    return serve_settings.load(path)
 
 
 @pytest.mark.parametrize(
@@ -45,14 +39,14 @@ def load(tmp_path: Path, text: str) -> serve_settings.Settings:
 def test_a_token_key_that_is_not_one_token_is_refused(tmp_path: Path, text: str, words: str) -> None:
     (tmp_path / "token").write_text("file-token\n")
     with pytest.raises(ConfigError, match=words):
-        load(tmp_path, text)
+        load_config(tmp_path, text)
 
 
 def test_good_tokens_still_load(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("  file-token\n")
-    assert load(tmp_path, "api_bearer_token_file: token\n").api_token == "file-token"
-    assert load(tmp_path, "api_bearer_token: inline\n").api_token == "inline"
-    assert load(tmp_path, "listen: 127.0.0.1:10877\n").api_token is None
+    assert load_config(tmp_path, "api_bearer_token_file: token\n").api_token == "file-token"
+    assert load_config(tmp_path, "api_bearer_token: inline\n").api_token == "inline"
+    assert load_config(tmp_path, "listen: 127.0.0.1:10877\n").api_token is None
 
 
 def test_secret_files_that_are_not_small_regular_files(tmp_path: Path) -> None:
