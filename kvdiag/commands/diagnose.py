@@ -41,7 +41,6 @@ GIVE_UP_AFTER = 2
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "diagnose",
-        help="verdict per instance: does the GPU KV pool (L1) cap concurrency and drive P99 TTFT?",
         description="Exit code: 0 healthy or near capacity, 1 warning, 2 L1 bottleneck, 3 unknown or error (worst over instances).",
     )
     add_source_arguments(p)

@@ -17,7 +17,7 @@ EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("record", help="scrape engines periodically into a .jsonl.gz recording")
+    p = sub.add_parser("record")
     p.add_argument("targets", nargs="+", metavar="URL")
     p.add_argument("--interval", default="5s", metavar="DURATION", help="time between scrapes (default 5s)")
     p.add_argument("--duration", default="300s", metavar="DURATION", help="how long to record (default 300s)")
