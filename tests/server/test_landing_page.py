@@ -22,6 +22,7 @@ from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
 from kvdiag.server.settings import Settings
+from tests.conftest import hang_guard
 from tests.server.conftest import settings_for, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,12 +39,12 @@ def frozen_exporter(engines: dict[str, MetricsServer], start_loop: Callable[[Set
     its loop stopped: what the page shows is what the API says, to the digit."""
     loop = start_loop(settings_for([engines["sglang"].url, engines["vllm"].url], interval=0.25))
     diagnosed = lambda: all(i.diagnosis and i.diagnosis.samples >= 12 for s in loop.snapshot() for i in s.instances.values())  # noqa: E731
-    assert wait_for(lambda: loop.ready and diagnosed(), timeout=20)
+    assert wait_for(lambda: loop.ready and diagnosed())
     loop.stop()
     server = uvicorn.Server(uvicorn.Config(create_app(loop), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert wait_for(lambda: server.started, timeout=10)
+    assert wait_for(lambda: server.started)
     yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     server.should_exit = True
     thread.join(timeout=10)
@@ -57,7 +58,7 @@ def test_the_page_shows_the_diagnosis_figures_and_trends(frozen_exporter: str, t
     url = frozen_exporter
     dump = subprocess.run(
         [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'dom'}", "--virtual-time-budget=8000", "--dump-dom", url + "/"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=hang_guard(12),
     )  # fmt: skip
     body = re.search(r'<tbody id="rows">(.*?)</tbody>', dump.stdout, re.S)
     assert body, dump.stderr[-2000:]
@@ -96,7 +97,7 @@ def test_the_page_shows_the_diagnosis_figures_and_trends(frozen_exporter: str, t
         shot = tmp_path / f"{name}.png"
         res = subprocess.run(
             [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / name}", "--virtual-time-budget=8000", "--window-size=1600,700", f"--screenshot={shot}", page],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, timeout=hang_guard(12),
         )  # fmt: skip
         assert shot.exists(), res.stderr[-2000:]
         shots.append(shot.stat().st_size)
