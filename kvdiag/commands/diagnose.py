@@ -26,10 +26,10 @@ from kvdiag.report import diagnosis as terminal
 from kvdiag.report.json import dumps, report_json
 from kvdiag.sources.inputs import is_url
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
-from kvdiag.sources.files import read_path
 from kvdiag.sources.prometheus import PrometheusError, read_window
 from kvdiag.sources.recording import RecordingError, read_recording
 from kvdiag.sources.scrape import ScrapeError, redact, scrape
+from kvdiag.sources.series import read_files
 from kvdiag.window import windows
 
 EXIT_ERROR = 3
@@ -160,9 +160,8 @@ def collect(args: argparse.Namespace) -> Collected | None:
         for s in read_recording(path):
             out.add(s, args.engine)
     urls = [a for a in args.inputs if is_url(a)]
-    for path in (a for a in args.inputs if not is_url(a)):
-        for s in read_path(path):
-            out.add(s, args.engine)
+    for s in read_files([a for a in args.inputs if not is_url(a)], lambda line: print(f"kvdiag {args.command}: {line}", file=sys.stderr)):
+        out.add(s, args.engine)
     if urls:
         sample_urls(urls, args, out)
     out.settle()

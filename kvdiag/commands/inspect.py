@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         streams = open_logs(args)
         if args.follow:
             return _follow(args, streams[0], latest)
-        for scrape in read_inputs(args.inputs, args.replay, args.timeout):
+        for scrape in read_inputs(args.inputs, args.replay, args.timeout, lambda line: print(f"kvdiag inspect: {line}", file=sys.stderr)):
             for s in normalize_scrape(scrape, args.engine):
                 latest.add(s)
         for stream in streams:
