@@ -21,6 +21,7 @@ import uvicorn
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
+from kvdiag.server.page import landing_page
 from kvdiag.server.settings import Settings
 from tests.conftest import hang_guard
 from tests.server.conftest import settings_for, wait_for
@@ -91,9 +92,12 @@ def test_the_page_shows_the_diagnosis_figures_and_trends(frozen_exporter: str, t
         engines.add(r["latest"]["engine"])
     assert engines == {"sglang", "vllm"}
     assert re.search(r"2 instance\(s\), window 30(\.0)? s; updated", dump.stdout)
-    # painted, not blank: a screenshot much larger than an empty page's
+    # painted: the page with its rows draws well beyond the same page with none (its API out of
+    # reach: headers, "loading…"), which draws well beyond a blank one. Sizes of the same page in
+    # two states, not a figure a busy machine's slower fetches could miss.
+    (tmp_path / "loading.html").write_text(landing_page(False))
     shots = []
-    for name, page in (("blank", "about:blank"), ("page", url + "/")):
+    for name, page in (("blank", "about:blank"), ("loading", (tmp_path / "loading.html").as_uri()), ("page", url + "/")):
         shot = tmp_path / f"{name}.png"
         res = subprocess.run(
             [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / name}", "--virtual-time-budget=8000", "--window-size=1600,700", f"--screenshot={shot}", page],
@@ -101,4 +105,5 @@ def test_the_page_shows_the_diagnosis_figures_and_trends(frozen_exporter: str, t
         )  # fmt: skip
         assert shot.exists(), res.stderr[-2000:]
         shots.append(shot.stat().st_size)
-    assert shots[1] > 10 * shots[0]
+    blank, loading, painted = shots
+    assert loading > 3 * blank and painted > 1.2 * loading, shots
