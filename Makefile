@@ -51,6 +51,7 @@ generate: $(LIGHT)
 
 bench: native
 	$(PY) bench/bench_exposition.py
+	$(PY) bench/bench_cli.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .cache/native-build kvdiag/refpool/native.json

@@ -185,17 +185,30 @@ class Reader:
         self.wanted = sorted(set(wanted))
         # Every sample name (each suffix, each escaping scheme) to (family, suffix, scheme).
         self._resolve = sample_names(self.wanted)
-        names = _trie_pattern(list(self._resolve))
-        # One pass finds both forms: ``name{labels} v`` (groups 1-6) and ``{"name",labels} v`` (7-12).
-        self._line_re = re.compile(
-            r"\n[ \t]*(?:(" + names + r")(?=[{ \t])" + _REST + r'|\{[ \t]*"(' + names + r")" + _QUOTED_REST + ")"
-        )
+        self._names = _trie_pattern(list(self._resolve))
+        # ``name{labels} v`` (groups 1-6). Compiling the names' trie is most of a CLI's
+        # start-up, so the pattern that also finds the quoted form is compiled on first need.
+        self._plain_re = re.compile(r"\n[ \t]*(" + self._names + r")(?=[{ \t])" + _REST)
+        self._both_re: re.Pattern[str] | None = None
         # Label strings repeat from one scrape of a target to the next; parsing each once
         # makes the steady-state read of a fleet cheap. The dicts are shared: read-only.
         self._labels: dict[str, dict[str, str]] = {}
         self._types = sample_names(self.wanted, ("", "_total", "_info"))
         type_names = _trie_pattern(list(self._types))
         self._type_re = re.compile(r'\n[ \t]*#[ \t]*TYPE[ \t]+("?)(' + type_names + r')\1[ \t]+([a-z]+)[ \t]*(?=\n|$)')
+
+    def _line_pattern(self, scan: str) -> re.Pattern[str]:
+        """The sample-line pattern for this body: one pass finds ``name{labels} v`` (groups
+        1-6) and, where the body may hold it, ``{"name",labels} v`` (7-12). A quoted name needs
+        ``{"``; a body without it is read by the plain pattern alone."""
+        if '{"' not in scan:
+            return self._plain_re
+        if self._both_re is None:
+            names = self._names
+            self._both_re = re.compile(
+                r"\n[ \t]*(?:(" + names + r")(?=[{ \t])" + _REST + r'|\{[ \t]*"(' + names + r")" + _QUOTED_REST + ")"
+            )
+        return self._both_re
 
     def read(self, body: bytes | str, content_type: str | None = None) -> Exposition:
         """Parse ``body`` and return the wanted families found in it."""
@@ -215,7 +228,7 @@ class Reader:
         cache = self._labels
         if len(cache) > _LABEL_CACHE_MAX:
             cache.clear()
-        for m in self._line_re.finditer(scan):
+        for m in self._line_pattern(scan).finditer(scan):
             groups = m.groups()
             name, raw_labels, raw_value, raw_ts, exemplar, bad = groups[:6] if groups[0] is not None else groups[6:]
             offset = m.start()  # the newline before the line in the scan: the line's offset in text

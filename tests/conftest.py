@@ -13,6 +13,15 @@ import pytest
 from tests.scenario_recordings import Recording, newest, record_all
 
 SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+#: How much slower than the loaded 2-core development machine a machine running the suite may be.
+SLOWER = 10
+
+
+def hang_guard(seconds_here: float) -> float:
+    """A timeout only a hang reaches: ``seconds_here``, what the wait takes on the loaded 2-core
+    development machine, times ``SLOWER``. Never a speed claim (speed is measured in bench/):
+    a test that waits for something waits until it happens, and gives up only on a hang."""
+    return SLOWER * seconds_here
 SGLANG_FIXTURE = "sglang-0.5.23-midload.prom"
 VLLM_FIXTURE = "vllm-0.33.0-midload.prom"
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from kvdiag.checks import catalog
+from tests.conftest import hang_guard
 
 WALL_SECONDS = 20
 
@@ -16,7 +17,7 @@ WALL_SECONDS = 20
 def test_demo_reaches_the_l1_verdicts_on_the_reference_engines() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvdiag", "demo", "--no-live", "--duration", str(WALL_SECONDS), "--speed", "20", "--interval", "0.25"],
-        capture_output=True, text=True, timeout=120, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=hang_guard(30), env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -33,7 +33,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from kvdiag import checks
-from kvdiag.commands.inspect import sample_json
+from kvdiag.report.samples import sample_json
 from kvdiag.config import Config
 from kvdiag.engines import READER, TooManyInstances, UnknownEngine, normalize_scrape
 from kvdiag.exposition import ExpositionError, _undots

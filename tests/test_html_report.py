@@ -16,6 +16,7 @@ from kvdiag.report.ticks import TIME_STEPS
 from kvdiag.sources.recording import write_recording
 from tests.checks.scenario import const, recording
 from tests.test_ticks import is_1_2_5
+from tests.conftest import hang_guard
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = (
@@ -31,7 +32,7 @@ def chromium(tmp_path: Path, page: Path, *extra: str) -> subprocess.CompletedPro
     profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
     return subprocess.run(
         [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *extra, page.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=hang_guard(12),
     )  # fmt: skip
 
 

@@ -247,7 +247,7 @@ def test_exporter_api_serves_every_target_when_one_reports_infinite_pool(raw_ser
     bad_url = raw_server(lambda h: reply(h, 200, bad.encode()))
     good_url = raw_server(lambda h: reply(h, 200, _fixture(VLLM_FIXTURE).encode()))
     loop = start_loop(settings_for([bad_url, good_url]))
-    assert wait_for(lambda: all(s.instances and all(i.diagnosis for i in s.instances.values()) for s in loop.snapshot()), timeout=20)
+    assert wait_for(lambda: all(s.instances and all(i.diagnosis for i in s.instances.values()) for s in loop.snapshot()))
     client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
     for path in ("/api/v1/instances", "/api/v1/verdicts", "/"):
         resp = client.get(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ UNSEEN = "evictions_total absent: "  # the note of a vLLM log that cannot carry 
 def unseen(s: PoolSample) -> bool:
     return any(n.startswith(UNSEEN) for n in s.notes)
 from kvdiag.window import windows
+from tests.conftest import hang_guard
 
 T0 = datetime(2026, 11, 29, 11, 33, 15, tzinfo=timezone.utc)
 TS0 = T0.timestamp()
@@ -672,14 +674,14 @@ def test_follow_reads_lines_appended_while_it_runs(tmp_path: Path) -> None:
             time.sleep(0.3)
             fh.write(half[40:] + "\n")
             fh.flush()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + hang_guard(1)
         while len(got) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         stop.set()
 
     thread = threading.Thread(target=writer)
     thread.start()
-    stream = read_log(path, follow=True, stop=stop, poll_interval=0.05, follow_timeout=10)
+    stream = read_log(path, follow=True, stop=stop, poll_interval=0.05, follow_timeout=hang_guard(1))
     for s in stream:
         got.append(s)
     thread.join()
@@ -691,19 +693,17 @@ def test_follow_starts_over_after_truncation_and_stops_when_idle(tmp_path: Path)
     path = tmp_path / "rotating.log"
     path.write_text("".join(sglang(sg_decode(i, 100, 0.1, 0), at=T0 + timedelta(seconds=i)) + "\n" for i in range(1, 4)))
 
-    def truncate_then_write() -> None:
-        time.sleep(0.3)
-        with open(path, "w") as fh:  # copytruncate: same inode, shorter file
-            fh.write(sglang(sg_decode(9, 100, 0.9, 5), at=T0 + timedelta(seconds=60)) + "\n")
-
-    thread = threading.Thread(target=truncate_then_write)
-    thread.start()
-    started = time.monotonic()
-    samples = list(read_log(path, follow=True, poll_interval=0.05, follow_timeout=1.0))
-    thread.join()
+    # The file is cut right after the third line is read, by the reader's own thread: the idle
+    # deadline (1 s) then runs from the fourth line on, however busy the machine.
+    stream = read_log(path, follow=True, poll_interval=0.05, follow_timeout=1.0)
+    samples = [next(stream) for _ in range(3)]
+    with open(path, "w") as fh:  # copytruncate: same inode, shorter file
+        fh.write(sglang(sg_decode(9, 100, 0.9, 5), at=T0 + timedelta(seconds=60)) + "\n")
+    written = time.monotonic()
+    samples += list(stream)  # ends by itself: idle for follow_timeout (a hang here is the bug)
     assert [s.running for s in samples] == [1, 2, 3, 9]
     assert samples[-1].provenance["running"].metric == f"{path}:1"  # line numbers restart with the file
-    assert 1.0 <= time.monotonic() - started < 5
+    assert time.monotonic() - written >= 1.0  # not before the idle deadline (read after the last line)
 
 
 # --- the command line ---------------------------------------------------------------------------
@@ -815,15 +815,30 @@ def test_diagnose_log_follow_rediagnoses_as_lines_arrive(tmp_path) -> None:
     half = len(story.lines) // 4
     path.write_text("".join(line + "\n" for line in story.lines[:half]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvdiag", "diagnose", "--log", str(path), "--follow", "--follow-timeout", "4",
+        [sys.executable, "-m", "kvdiag", "diagnose", "--log", str(path), "--follow", "--follow-timeout", str(hang_guard(10)),
          "--log-year", str(story.year), "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    time.sleep(2.0)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+
+    def printed(word: str) -> bool:  # the verdict on stderr, or the process gone; a hang guard
+        deadline = time.monotonic() + hang_guard(10)
+        while not any(word in line for line in list(lines)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return any(word in line for line in list(lines))
+
+    assert printed("healthy"), lines  # the first quarter is diagnosed before the rest arrives
     with path.open("a") as fh:
         for line in story.lines[half:]:
             fh.write(line + "\n")
-    out, err = proc.communicate(timeout=60)
+    assert printed("l1_kv_bottleneck"), lines
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the report of what was followed
+    out = proc.stdout.read()  # type: ignore[union-attr]
+    proc.wait(timeout=hang_guard(10))
+    reader.join(timeout=hang_guard(1))
+    err = "".join(lines)
     assert proc.returncode == 2, err
     assert "healthy" in err and "l1_kv_bottleneck" in err  # the verdict moved while following
     assert json.loads(out)["instances"][0]["verdict"] == "l1_kv_bottleneck"

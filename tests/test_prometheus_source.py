@@ -28,7 +28,7 @@ from kvdiag.refpool.emit import content_type
 from kvdiag.sources.prometheus import read_window, series_regex
 from kvdiag.engines import READER
 from tests.checks.scenario import const, ramp, recording
-from tests.conftest import Responder
+from tests.conftest import Responder, hang_guard
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 BOTTLENECK = dict(usage=const(0.97), waiting=ramp(5, 1), running=const(48), evictions=const(1), ttft=const(20.0))
@@ -99,7 +99,7 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 def _wait_for_samples(url: str, proc: subprocess.Popen, tmp: Path) -> None:
-    deadline = time.time() + 60
+    deadline = time.time() + hang_guard(10)
     while time.time() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"prometheus exited: {(tmp / 'prometheus.log').read_text()[-2000:]}")

@@ -10,11 +10,11 @@ from kvdiag.cli import main
 from kvdiag.refpool.emit import EngineState, content_type, render
 from kvdiag.sources.recording import read_recording
 from kvdiag.sources.scrape import ACCEPT
-from tests.conftest import Responder
+from tests.conftest import Responder, hang_guard
 
 
 def _kvdiag(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, timeout=hang_guard(12))
 
 
 def test_record_then_replay_roundtrips_bytes(http_server, tmp_path) -> None:

@@ -26,6 +26,7 @@ from kvdiag.report.terminal import Fitted, inspect_table
 from kvdiag.sources.recording import write_recording
 from kvdiag.window import windows
 from tests.checks.scenario import const, recording
+from tests.conftest import hang_guard
 
 VERDICTS = set(catalog.VERDICTS)
 CHECKS = {c.name for c in catalog.CHECKS}
@@ -117,7 +118,7 @@ def test_a_diagnosis_and_the_pool_table_at_80_columns() -> None:
 def kvdiag(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "80"}
     env.pop("FORCE_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, timeout=hang_guard(12), env=env)
 
 
 def test_piped_explain_and_diagnose_keep_names_whole(tmp_path: Path) -> None:

@@ -19,7 +19,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     presets = ", ".join(m.name for m in cap.MODELS.values())
     p = sub.add_parser(
         "capacity",
-        help="KV bytes per token, pool tokens and the concurrency ceiling for a model and deployment",
         description="The pool is the hard cap on concurrency: pool tokens / (input + output tokens per request).",
     )
     p.add_argument("--model", required=True, metavar="PRESET|config.json", help=f"a preset ({presets}) or a HF config.json path")

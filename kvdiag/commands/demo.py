@@ -49,7 +49,7 @@ STORY = Config()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="watch kvdiag read simulated SGLang and vLLM engines saturating their KV pool")
+    p = sub.add_parser("demo")
     p.add_argument("--duration", type=float, default=40.0, help="wall seconds to run (default 40)")
     p.add_argument("--speed", type=float, default=12.0, help="simulated seconds per wall second (default 12)")
     p.add_argument("--interval", type=float, default=1.0, help="wall seconds between scrapes (default 1)")

@@ -28,10 +28,10 @@ from kvdiag.report.json import dumps, report_json
 from kvdiag.report.output import check_writable
 from kvdiag.sources.inputs import is_url
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
-from kvdiag.sources.files import read_path
 from kvdiag.sources.prometheus import PrometheusError, read_window
 from kvdiag.sources.recording import RecordingError, read_recording
 from kvdiag.sources.scrape import ScrapeError, redact, scrape
+from kvdiag.sources.series import read_files
 from kvdiag.window import windows
 
 EXIT_ERROR = 3
@@ -43,7 +43,6 @@ GIVE_UP_AFTER = 2
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "diagnose",
-        help="verdict per instance: does the GPU KV pool (L1) cap concurrency and drive P99 TTFT?",
         description="Exit code: 0 healthy or near capacity, 1 warning, 2 L1 bottleneck, 3 unknown or error (worst over instances).",
     )
     add_source_arguments(p)
@@ -165,9 +164,8 @@ def collect(args: argparse.Namespace) -> Collected | None:
         for s in read_recording(path):
             out.add(s, args.engine)
     urls = [a for a in args.inputs if is_url(a)]
-    for path in (a for a in args.inputs if not is_url(a)):
-        for s in read_path(path):
-            out.add(s, args.engine)
+    for s in read_files([a for a in args.inputs if not is_url(a)], lambda line: print(f"kvdiag {args.command}: {line}", file=sys.stderr)):
+        out.add(s, args.engine)
     if urls:
         sample_urls(urls, args, out)
     out.settle()

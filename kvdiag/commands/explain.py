@@ -18,7 +18,7 @@ EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("explain", help="print the decision table, the checks and the thresholds in force")
+    p = sub.add_parser("explain")
     p.add_argument("--config", metavar="YAML", help="thresholds file (its 'checks:' section)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold")
     p.add_argument("--promql", action="store_true", help="also print each check's and alert's PromQL")

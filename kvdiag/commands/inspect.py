@@ -19,12 +19,13 @@ from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.recording import RecordingError
 from kvdiag.sources.scrape import ScrapeError
 from kvdiag.report.json import dumps
+from kvdiag.report.samples import sample_json
 
 EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("inspect", help="show the normalized KV pool per instance, with provenance")
+    p = sub.add_parser("inspect")
     p.add_argument("inputs", nargs="*", metavar="URL|FILE", help="engine URL, saved exposition file or recording")
     p.add_argument("--replay", action="append", metavar="REC", help="a recording (.jsonl.gz) made by `kvdiag record`")
     p.add_argument("--engine", default="auto", choices=("auto", "sglang", "vllm"), help="expect this engine (default: detect)")
@@ -33,35 +34,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--provenance", action="store_true", help="also print where every field came from")
     add_log_arguments(p)
     return p
-
-
-def sample_json(sample: PoolSample) -> dict:
-    """The documented ``inspect --json`` shape for one instance (plus a few more keys)."""
-    return {
-        "instance": sample.instance,
-        "engine": sample.engine,
-        "model": sample.model,
-        "ts": sample.ts,
-        "kv_usage": sample.usage_ratio,
-        "usage_granularity": sample.usage_granularity,
-        "capacity_tokens": _int(sample.capacity_tokens),
-        "used_tokens": _int(sample.used_tokens),
-        "evictable_tokens": _int(sample.evictable_tokens),
-        "available_tokens": _int(sample.available_tokens),
-        "running": sample.running,
-        "waiting": sample.waiting,
-        "evictions_total": sample.evictions_total,
-        "prefix_hit_ratio": sample.prefix_hit_ratio,
-        "l2_used_tokens": _int(sample.l2_used_tokens),
-        "l2_capacity_tokens": _int(sample.l2_capacity_tokens),
-        "ttft_observations": sample.ttft.count if sample.ttft else None,
-        "provenance": {k: v.describe() for k, v in sample.provenance.items()},
-        "notes": sample.notes,
-    }
-
-
-def _int(v: float | None) -> int | None:
-    return None if v is None else int(round(v))
 
 
 class Latest:
@@ -90,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         streams = open_logs(args)
         if args.follow:
             return _follow(args, streams[0], latest)
-        for scrape in read_inputs(args.inputs, args.replay, TIMEOUT.parse(args.timeout, "--timeout")):
+        for scrape in read_inputs(args.inputs, args.replay, TIMEOUT.parse(args.timeout, "--timeout"), lambda line: print(f"kvdiag inspect: {line}", file=sys.stderr)):
             for s in normalize_scrape(scrape, args.engine):
                 latest.add(s)
         for stream in streams:

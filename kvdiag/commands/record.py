@@ -1,4 +1,5 @@
-"""``kvdiag record``: capture engines' expositions to a recording for offline diagnosis."""
+"""``kvdiag record``: capture engines' expositions to a recording for offline diagnosis, or
+convert saved scrape files (a folder of them) into one, timed as ``diagnose`` times them."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import time
 from rich.progress import Progress
 
 from kvdiag.quantity import INTERVAL, SAMPLING, TIMEOUT
-from kvdiag.sources.recording import RecordingWriter
+from kvdiag.sources.inputs import is_url
+from kvdiag.sources.recording import RecordingWriter, write_recording
 from kvdiag.sources.scrape import ScrapeError, scrape
+from kvdiag.sources.series import read_files
 
 EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("record", help="scrape engines periodically into a .jsonl.gz recording")
-    p.add_argument("targets", nargs="+", metavar="URL")
+    p = sub.add_parser("record")
+    p.add_argument("targets", nargs="+", metavar="URL|FILE|DIR", help="engine URLs to scrape, or saved scrape files / folders to convert")
     p.add_argument("--interval", default="5s", metavar="DURATION", help="time between scrapes (default 5s)")
     p.add_argument("--duration", default="300s", metavar="DURATION", help="how long to record (default 300s)")
     p.add_argument("--timeout", default="10s", metavar="DURATION", help="deadline of each scrape, connect to last byte (default 10s)")
@@ -27,6 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    files = [t for t in args.targets if not is_url(t)]
+    if files:
+        if len(files) < len(args.targets):
+            print("kvdiag record: give engine URLs to record, or saved scrape files to convert, not both", file=sys.stderr)
+            return EXIT_ERROR
+        return convert(files, args.out)
     try:
         interval = INTERVAL.parse(args.interval, "--interval")
         duration = SAMPLING.parse(args.duration, "--duration")
@@ -57,3 +66,16 @@ def run(args: argparse.Namespace) -> int:
         written = writer.count
     print(f"wrote {written} scrape(s) to {args.out}" + (f"; {failures} failed" if failures else ""), file=sys.stderr)
     return 0 if written else EXIT_ERROR
+
+
+def convert(paths: list[str], out: str) -> int:
+    """Saved scrape files (or folders of them) into one recording, each series timed and
+    ordered as diagnose reads it (said on stderr)."""
+    try:
+        scrapes = list(read_files(paths, lambda line: print(f"kvdiag record: {line}", file=sys.stderr)))
+        written = write_recording(out, scrapes)
+    except (ValueError, OSError) as exc:
+        print(f"kvdiag record: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"wrote {written} scrape(s) to {out}", file=sys.stderr)
+    return 0

@@ -25,7 +25,7 @@ EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("render", help="generate rules/, dashboards/, Grafana alerting and runbooks from the checklist")
+    p = sub.add_parser("render")
     p.add_argument("--out", default=".", metavar="DIR", help="repository root to write under (default: .)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 listing stale or missing files")
     p.add_argument("--config", metavar="FILE", help="YAML with a checks: section (thresholds, window, SLO)")

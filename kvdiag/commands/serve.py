@@ -25,7 +25,7 @@ EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="run the exporter: scrape engines, serve /metrics, the JSON API and a landing page")
+    p = sub.add_parser("serve")
     p.add_argument("--config", metavar="YAML", help="exporter config (targets, scrape, probe allowlist, checks)")
     p.add_argument("--target", action="append", default=[], metavar="URL", help="an engine to scrape (repeatable; added to the config's)")
     p.add_argument("--interval", metavar="DURATION", help="seconds between scrapes of each target (default 5s)")

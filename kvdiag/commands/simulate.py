@@ -26,10 +26,7 @@ EXIT_ERROR = 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "simulate",
-        help="run a labelled scenario on a reference SGLang/vLLM engine: serve its /metrics or record them",
-    )
+    p = sub.add_parser("simulate")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--engine", choices=ENGINES, help="which reference engine")
     p.add_argument("--scenario", choices=sorted(CATALOGUE), help="which scenario (see --list)")

@@ -37,7 +37,6 @@ EXIT_ERROR = 3
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "validate",
-        help="run every scenario on both reference engines and score the verdicts against ground truth, instant by instant",
         description="Exit code: 0 when every final verdict and every scored instant matches its ground truth "
         "(no misleading, no false-alarm instant), 1 otherwise, 3 on an error.",
     )

@@ -46,7 +46,6 @@ EXIT_ERROR = 3
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "whatif",
-        help="replay the window through the reference engine under each remedy: predicted P99 TTFT, evictions, verdict",
         description="Exit code: 0 with the predictions, 3 when no instance could be fitted (the reason on stderr).",
     )
     add_source_arguments(p)

@@ -29,12 +29,12 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from kvdiag import __version__, checks
-from kvdiag.commands.inspect import sample_json
 from kvdiag.config import Config
 from kvdiag.engines import ADAPTERS
 from kvdiag.excerpt import excerpt
 from kvdiag.model import NUMERIC_FIELDS, Diagnosis
 from kvdiag.report.json import diagnosis_json, dumps
+from kvdiag.report.samples import sample_json
 from kvdiag.server.collector import ExporterCollector
 from kvdiag.server.loop import ProbeBusy, ScrapeLoop
 from kvdiag.server.page import landing_page

@@ -1,14 +1,13 @@
-"""Local inputs: one saved exposition file, or a recording, told apart by their content."""
+"""Local inputs: one saved exposition file, or a recording, told apart by their content
+(``kvdiag.sources.series`` reads several exposition files as a series)."""
 
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
-from typing import Iterator
 
 from kvdiag.model import Scrape
-from kvdiag.sources.recording import read_recording
 
 
 #: A recording line opens with one of its keys; an exposition may open with ``{`` too (the
@@ -32,11 +31,3 @@ def read_exposition_file(path: str | Path) -> Scrape:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return Scrape(os.path.getmtime(p), str(p), None, body)
-
-
-def read_path(path: str | Path) -> Iterator[Scrape]:
-    """Scrapes from a recording, or the single scrape of an exposition file."""
-    if is_recording(path):
-        yield from read_recording(path)
-    else:
-        yield read_exposition_file(path)

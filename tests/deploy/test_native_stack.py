@@ -31,6 +31,7 @@ import requests
 
 from kvdiag.cli import main
 from kvdiag.render.rules import FOR_DEFAULTS
+from tests.conftest import hang_guard
 from tests.deploy import stack
 from tests.mixin.prom import Process
 
@@ -38,7 +39,7 @@ ALERT = "KvdiagL1KVPoolBottleneck"
 SHORT_FOR = "5s"
 SPEED = "10"
 NATIVE = ("sglang-sim", "vllm-sim", "kvdiag", "alertmanager", "prometheus")  # grafana: files only
-BUDGET_S = 75.0  # from every target up to the alert firing (about 25 s on 2 idle cores)
+BUDGET_S = hang_guard(25)  # from every target up to the alert firing (about 25 s on 2 idle cores)
 
 
 def _get(url: str, **params: str) -> Any:
@@ -74,7 +75,7 @@ def _running(processes: list[Process]) -> Iterator[None]:
     try:
         for p in processes:
             started.append(p)
-            p.start(timeout=45)
+            p.start(timeout=hang_guard(10))
         yield
     except BaseException:
         for p in started:
@@ -103,13 +104,13 @@ def test_compose_stack_fires_the_l1_alert_into_alertmanager(tmp_path: Path) -> N
     prom, am = loop.url("prometheus"), loop.url("alertmanager")
     vllm_target = loop.url("vllm-sim").split("//", 1)[1]
     with _running(processes):
-        Process.wait(lambda: _up_jobs(prom) == {"sglang", "vllm", "kvdiag"}, 30, "Prometheus to scrape every job")
+        Process.wait(lambda: _up_jobs(prom) == {"sglang", "vllm", "kvdiag"}, hang_guard(10), "Prometheus to scrape every job")
         firing = Process.wait(lambda: _on(vllm_target, _firing(prom)), BUDGET_S, f"{ALERT} to fire for vLLM in Prometheus")
         assert firing["labels"]["job"] == "vllm" and firing["labels"]["severity"] == "critical"
         assert firing["annotations"]["runbook_url"].endswith("#" + ALERT.lower())
-        received = Process.wait(lambda: _on(vllm_target, _received(am)), 20, f"{ALERT} to reach Alertmanager")
+        received = Process.wait(lambda: _on(vllm_target, _received(am)), hang_guard(10), f"{ALERT} to reach Alertmanager")
         assert received["status"]["state"] == "active" and received["labels"]["job"] == "vllm"
         up = _get(prom + "/api/v1/query", query='kvdiag_up{job="kvdiag"}')["data"]["result"]
         assert len(up) == 2 and all(s["value"][1] == "1" for s in up), up  # the exporter reads both engines
         l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict="l1_kv_bottleneck"} == 1'
-        Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], 30, "the exporter's L1 verdict for vLLM in Prometheus")
+        Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], hang_guard(10), "the exporter's L1 verdict for vLLM in Prometheus")

@@ -29,6 +29,7 @@ import pytest
 
 from kvdiag.cli import main
 from kvdiag.sources.logs import read_log
+from tests.conftest import hang_guard
 from tests.logs import wrappers
 from tests.logs.wrappers import POD, SERVICE
 
@@ -67,7 +68,7 @@ def engine_log(engine: str, tmp_path_factory: pytest.TempPathFactory) -> EngineL
         truth = tmp_path_factory.mktemp("truth") / f"{engine}.json"
         proc = subprocess.run(
             [sys.executable, "-m", "tests.logs.engine_lines", engine, SRC, str(truth)],
-            capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "TZ": "UTC"},
+            capture_output=True, text=True, timeout=hang_guard(30), cwd=REPO, env={**os.environ, "TZ": "UTC"},
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         text = proc.stdout if STREAM[engine] == "stdout" else proc.stderr

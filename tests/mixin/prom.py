@@ -17,6 +17,8 @@ from typing import Callable, TypeVar
 import requests
 import yaml
 
+from tests.conftest import hang_guard
+
 T = TypeVar("T")
 P = TypeVar("P", bound="Process")
 
@@ -38,7 +40,7 @@ class Process:
         self.log = log.open("w")
         self.proc: subprocess.Popen | None = None
 
-    def start(self: P, timeout: float = 30.0) -> P:
+    def start(self: P, timeout: float = hang_guard(10)) -> P:
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait(self._ready, timeout, f"{Path(self.argv[0]).name} to answer {self.ready_url}")
         return self

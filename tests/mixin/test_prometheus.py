@@ -29,6 +29,7 @@ from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.render import GRAFANA_ALERTS, RULES_ALERTS, RULES_RECORDING, RUNBOOKS
 from kvdiag.window import windows
+from tests.conftest import hang_guard
 from tests.mixin.conftest import ROOT, need
 from tests.mixin.prom import Prometheus
 from tests.mixin.stories import STORIES, Story
@@ -121,7 +122,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             return _verdicts_from_alerts(prom) == expected
 
         try:
-            prom.wait(settled, 90, "every story's verdict in ALERTS", every=2)
+            prom.wait(settled, hang_guard(30), "every story's verdict in ALERTS", every=2)
         except AssertionError as exc:
             got = _verdicts_from_alerts(prom)
             diff = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}

@@ -15,6 +15,7 @@ from kvdiag.cli import main
 from kvdiag.engines import normalize_scrape
 from kvdiag.sources.recording import read_recording
 from kvdiag.sources.scrape import ScrapeError, scrape
+from tests.conftest import hang_guard
 
 
 def test_list(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,12 +48,12 @@ def _free_port() -> int:
 
 def test_serves_metrics_on_loopback_while_time_advances() -> None:
     port = _free_port()
-    args = ["simulate", "--engine", "vllm", "--scenario", "l1-saturation", "--port", str(port), "--speed", "40", "--duration", "120"]
+    args = ["simulate", "--engine", "vllm", "--scenario", "l1-saturation", "--port", str(port), "--speed", "20", "--duration", "120"]  # 6 wall s; a busy machine runs it behind, not shorter
     worker = threading.Thread(target=main, args=(args,), daemon=True)
     worker.start()
     url = f"http://127.0.0.1:{port}/metrics"
     seen = []
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + hang_guard(2)
     while len(seen) < 2 and time.monotonic() < deadline:
         try:
             (sample,) = normalize_scrape(scrape(url, timeout=2))
@@ -61,6 +62,6 @@ def test_serves_metrics_on_loopback_while_time_advances() -> None:
         except ScrapeError:
             pass
         time.sleep(0.3)
-    worker.join(timeout=20)
+    worker.join(timeout=hang_guard(10))
     assert len(seen) == 2 and seen[0].engine == "vllm" and seen[1].requests_total > seen[0].requests_total
     assert not worker.is_alive()  # it stops once the simulated duration is reached

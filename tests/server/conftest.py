@@ -17,9 +17,18 @@ from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.loop import ScrapeLoop
 from kvdiag.server.settings import ScrapeSettings, Settings, load
 from kvdiag.server.targets import Target
+from tests.conftest import hang_guard
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, step: float = 0.05) -> bool:
+#: Every wait here ends when what it waits for happens; this bounds only a hang.
+HANG_GUARD_S = hang_guard(12)
+#: The scrape deadline of the tests' loops unless a test sets its own: a hang guard too, so a good
+#: target's scrape never races a busy machine (tests of deadlines give theirs, with targets that
+#: never answer or answer after it).
+SCRAPE_DEADLINE_S = 10.0
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = HANG_GUARD_S, step: float = 0.05) -> bool:
     """Poll until ``predicate`` holds; False on timeout (the test then asserts on it)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -42,7 +51,7 @@ def story_engine(engine: str, speed: float = 30.0, start: float = 60.0) -> Metri
     return MetricsServer(body).start()
 
 
-def settings_for(urls: list[str], interval: float = 0.3, timeout: float | None = None, window: float = 30.0, **kw: object) -> Settings:
+def settings_for(urls: list[str], interval: float = 0.3, timeout: float = SCRAPE_DEADLINE_S, window: float = 30.0, **kw: object) -> Settings:
     return Settings(
         targets=tuple(Target(u) for u in urls),
         scrape=ScrapeSettings(interval=interval, timeout=timeout, concurrency=8, evaluate_every=0.0),

@@ -40,7 +40,7 @@ def diagnosed(loop: ScrapeLoop) -> bool:
 @pytest.fixture
 def served(engines: dict[str, MetricsServer], start_loop: Callable[[Settings], ScrapeLoop]) -> TestClient:
     loop = start_loop(settings_for([engines["sglang"].url, engines["vllm"].url], interval=0.25))
-    assert wait_for(lambda: diagnosed(loop), timeout=10)
+    assert wait_for(lambda: diagnosed(loop))
     return client_for(loop)
 
 

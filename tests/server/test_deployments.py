@@ -50,7 +50,7 @@ from kvdiag.server.targets import Target
 from kvdiag.sources.recording import write_recording
 from tests.mixin.conftest import ROOT, need
 from tests.mixin.test_differential import input_series
-from tests.server.conftest import settings_for, wait_for
+from tests.server.conftest import SCRAPE_DEADLINE_S, settings_for, wait_for
 
 STEP = 15.0  # simulated seconds between two expositions (the CLI tests' scrape interval)
 INTERVAL = 0.3  # wall seconds between two scrapes of a target
@@ -161,7 +161,7 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
     urls = [s.url(role) for s in stories.values() for role in s.servers]
     settings = Settings(
         targets=tuple(Target(u) for u in urls),
-        scrape=ScrapeSettings(interval=INTERVAL, timeout=INTERVAL, concurrency=len(urls), evaluate_every=0.0),
+        scrape=ScrapeSettings(interval=INTERVAL, timeout=SCRAPE_DEADLINE_S, concurrency=len(urls), evaluate_every=0.0),
         checks=wall_config(Config(), STEP / INTERVAL),
     )
     loop = ScrapeLoop(settings)
@@ -169,10 +169,10 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
         story.state = loop.targets[story.url()]
     try:
         loop.start()
-        finished = wait_for(lambda: all(s.done() for s in stories.values()), timeout=120.0)  # a hang guard
+        finished = wait_for(lambda: all(s.done() for s in stories.values()))
         loop.stop()  # the stories are told: nothing after their last step is read
         assert finished, {n: (s.taken(), len(s.steps)) for n, s in stories.items()}
-        assert wait_for(lambda: not any(t.busy for t in loop.snapshot()), timeout=10.0)  # scrapes in flight end
+        assert wait_for(lambda: not any(t.busy for t in loop.snapshot()))  # scrapes in flight end
         assert all(t.up for t in loop.snapshot()), {t.url: t.error for t in loop.snapshot()}
         client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
         metrics = {f.name: f.samples for f in text_string_to_metric_families(client.get("/metrics").text)}

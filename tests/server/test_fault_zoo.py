@@ -26,7 +26,10 @@ from kvdiag.server.settings import ProbeSettings, ScrapeSettings, Settings
 from kvdiag.sources.scrape import Auth
 from tests.server.conftest import Handle, reply, settings_for, story_engine, wait_for
 
-INTERVAL, TIMEOUT = 0.5, 0.4
+#: The zoo's scrape deadline outlasts many intervals: a good target's scrape never races a busy
+#: machine, and a bad target holding a worker until it, if that delayed the healthy ones, would
+#: cost them many intervals (asserted below as counts, never as tight timing).
+INTERVAL, TIMEOUT = 0.5, 6.0
 
 
 def drip(h: BaseHTTPRequestHandler, data: bytes, stop: threading.Event) -> None:
@@ -83,9 +86,9 @@ def zoo(stop: threading.Event) -> dict[str, Handle]:
 
 
 REASONS = {
-    "hang": "timed out after 0.4s in all (during the headers)",
-    "drip_headers": "timed out after 0.4s in all (during the headers)",
-    "drip_body": "timed out after 0.4s in all (during the body)",
+    "hang": f"timed out after {TIMEOUT:g}s in all (during the headers)",
+    "drip_headers": f"timed out after {TIMEOUT:g}s in all (during the headers)",
+    "drip_body": f"timed out after {TIMEOUT:g}s in all (during the body)",
     "error": "HTTP 500",
     "huge": "exceeds the",
     "garbage": "",
@@ -111,7 +114,7 @@ def live() -> Iterator[Callable[[ScrapeLoop], str]]:
         thread.start()
         servers.append((server, thread))
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        assert wait_for(lambda: server.started, timeout=20)
+        assert wait_for(lambda: server.started)
         return base
 
     yield start
@@ -130,12 +133,12 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
         loop = start_loop(replace(settings, scrape=replace(settings.scrape, concurrency=6, max_bytes=1 << 20)))
         base = live(loop)
         http = requests.Session()
-        assert wait_for(lambda: requests.get(base + "/readyz", timeout=10).status_code == 200, timeout=20)  # every drip target ended
+        assert wait_for(lambda: requests.get(base + "/readyz", timeout=10).status_code == 200)  # every drip target ended
         observe = 4.0
         before = {h.url: _samples(loop, h.url) for h in healthy}
         time.sleep(observe)
-        for h in healthy:  # scraped about every interval; at least 60 % of them on a loaded machine
-            assert _samples(loop, h.url) - before[h.url] >= 0.6 * observe / INTERVAL, h.url
+        for h in healthy:  # 8 due; a healthy target waiting on the bad ones would get one at most
+            assert _samples(loop, h.url) - before[h.url] >= 3, h.url
         up = metrics(http, base)
         rows = {r["target"]: r for r in http.get(base + "/api/v1/instances", timeout=10).json()["instances"]}
         for name, url in bad.items():
@@ -166,7 +169,7 @@ def test_a_target_that_restarts_comes_back_up(start_loop: Callable[[Settings], S
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    loop = start_loop(settings_for([url], interval=0.3, timeout=0.25))
+    loop = start_loop(settings_for([url], interval=0.3))
     assert wait_for(lambda: loop.ready)
     state = loop.targets[url]
     assert not state.up and "connection refused" in (state.error or "")
@@ -175,7 +178,7 @@ def test_a_target_that_restarts_comes_back_up(start_loop: Callable[[Settings], S
     story = SaturationStory()
     engine = MetricsServer(lambda om: (render("vllm", [story.state(100)], openmetrics=om, escape=om), content_type(om)), port=port).start()
     try:
-        assert wait_for(lambda: state.up and bool(state.instances), timeout=10), state.error
+        assert wait_for(lambda: state.up and bool(state.instances)), state.error
     finally:
         engine.stop()
 
@@ -187,11 +190,11 @@ def test_two_drip_targets_cannot_starve_two_healthy_ones_with_two_workers(
     healthy = [story_engine("sglang"), story_engine("vllm")]
     try:
         drips = [raw_server(handles["drip_body"]), raw_server(handles["drip_headers"])]
-        settings = settings_for([h.url for h in healthy] + drips, interval=1.0, timeout=0.3)
+        settings = settings_for([h.url for h in healthy] + drips, interval=2.0, timeout=1.5)  # the healthy scrapes never near it
         loop = start_loop(replace(settings, scrape=replace(settings.scrape, concurrency=2)))
-        assert wait_for(lambda: loop.ready, timeout=15)
+        assert wait_for(lambda: loop.ready)
         before = {h.url: _samples(loop, h.url) for h in healthy}
-        time.sleep(4.0)
+        time.sleep(8.0)
         for h in healthy:
             assert _samples(loop, h.url) - before[h.url] >= 2, h.url  # 4 due; the old reader managed 0
         for url in drips:
@@ -224,7 +227,7 @@ def test_a_probe_flood_never_reaches_healthz(raw_server: Callable[[Handle], str]
     flood = [threading.Thread(target=one) for _ in range(60)]
     for t in flood:
         t.start()
-    assert wait_for(lambda: len(connections) >= 1 and len(statuses) >= 60 - 4, timeout=20)  # all sent: 4 held, the rest answered
+    assert wait_for(lambda: len(connections) >= 1 and len(statuses) >= 60 - 4)  # all sent: 4 held, the rest answered
     health = requests.get(base + "/healthz", timeout=15)  # hang guard: the flood held it 83 s before
     metrics_page = requests.get(base + "/metrics", timeout=15)
     stop.set()  # the target hangs up: the probes holding the workers end now
@@ -317,7 +320,7 @@ def test_a_failure_at_any_stage_stays_with_its_target(stage: str, engines, start
             insts = list(loop.targets[good].instances.values())
             return loop.ready and bool(insts) and all(i.diagnosis and i.diagnosis.verdict.name != "unknown" for i in insts)
 
-        assert wait_for(answered, timeout=15)
+        assert wait_for(answered)
         client = TestClient(create_app(loop), base_url="http://127.0.0.1:10877")
         resp_metrics, resp_rows, resp_verdicts = client.get("/metrics"), client.get("/api/v1/instances"), client.get("/api/v1/verdicts")
         assert resp_metrics.status_code == resp_rows.status_code == resp_verdicts.status_code == 200

@@ -21,7 +21,9 @@ import uvicorn
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
+from kvdiag.server.page import landing_page
 from kvdiag.server.settings import Settings
+from tests.conftest import hang_guard
 from tests.server.conftest import settings_for, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,12 +40,12 @@ def frozen_exporter(engines: dict[str, MetricsServer], start_loop: Callable[[Set
     its loop stopped: what the page shows is what the API says, to the digit."""
     loop = start_loop(settings_for([engines["sglang"].url, engines["vllm"].url], interval=0.25))
     diagnosed = lambda: all(i.diagnosis and i.diagnosis.samples >= 12 for s in loop.snapshot() for i in s.instances.values())  # noqa: E731
-    assert wait_for(lambda: loop.ready and diagnosed(), timeout=20)
+    assert wait_for(lambda: loop.ready and diagnosed())
     loop.stop()
     server = uvicorn.Server(uvicorn.Config(create_app(loop), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert wait_for(lambda: server.started, timeout=10)
+    assert wait_for(lambda: server.started)
     yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     server.should_exit = True
     thread.join(timeout=10)
@@ -57,7 +59,7 @@ def test_the_page_shows_the_diagnosis_figures_and_trends(frozen_exporter: str, t
     url = frozen_exporter
     dump = subprocess.run(
         [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'dom'}", "--virtual-time-budget=8000", "--dump-dom", url + "/"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=hang_guard(12),
     )  # fmt: skip
     body = re.search(r'<tbody id="rows">(.*?)</tbody>', dump.stdout, re.S)
     assert body, dump.stderr[-2000:]
@@ -90,14 +92,18 @@ def test_the_page_shows_the_diagnosis_figures_and_trends(frozen_exporter: str, t
         engines.add(r["latest"]["engine"])
     assert engines == {"sglang", "vllm"}
     assert re.search(r"2 instance\(s\), window 30(\.0)? s; updated", dump.stdout)
-    # painted, not blank: a screenshot much larger than an empty page's
+    # painted: the page with its rows draws well beyond the same page with none (its API out of
+    # reach: headers, "loading…"), which draws well beyond a blank one. Sizes of the same page in
+    # two states, not a figure a busy machine's slower fetches could miss.
+    (tmp_path / "loading.html").write_text(landing_page(False))
     shots = []
-    for name, page in (("blank", "about:blank"), ("page", url + "/")):
+    for name, page in (("blank", "about:blank"), ("loading", (tmp_path / "loading.html").as_uri()), ("page", url + "/")):
         shot = tmp_path / f"{name}.png"
         res = subprocess.run(
             [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / name}", "--virtual-time-budget=8000", "--window-size=1600,700", f"--screenshot={shot}", page],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, timeout=hang_guard(12),
         )  # fmt: skip
         assert shot.exists(), res.stderr[-2000:]
         shots.append(shot.stat().st_size)
-    assert shots[1] > 10 * shots[0]
+    blank, loading, painted = shots
+    assert loading > 3 * blank and painted > 1.2 * loading, shots

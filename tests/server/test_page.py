@@ -17,6 +17,7 @@ from kvdiag.refpool.serve import MetricsServer
 from kvdiag.server.app import create_app
 from kvdiag.server.loop import ScrapeLoop
 from kvdiag.server.settings import Settings
+from tests.conftest import hang_guard
 from tests.server.conftest import settings_for, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -31,11 +32,11 @@ def exporter_url(engines: dict[str, MetricsServer], start_loop: Callable[[Settin
     """The exporter on a real loopback port (a browser needs one), its targets diagnosed."""
     loop = start_loop(settings_for([engines["sglang"].url, engines["vllm"].url], interval=0.25))
     diagnosed = lambda: all(i.diagnosis and i.diagnosis.samples >= 4 for s in loop.snapshot() for i in s.instances.values())  # noqa: E731
-    assert wait_for(lambda: loop.ready and diagnosed(), timeout=10)
+    assert wait_for(lambda: loop.ready and diagnosed())
     server = uvicorn.Server(uvicorn.Config(create_app(loop), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert wait_for(lambda: server.started, timeout=10)
+    assert wait_for(lambda: server.started)
     port = server.servers[0].sockets[0].getsockname()[1]
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
@@ -46,7 +47,7 @@ def exporter_url(engines: dict[str, MetricsServer], start_loop: Callable[[Settin
 def test_the_landing_page_shows_instances_verdicts_and_bars(exporter_url: str, tmp_path: Path) -> None:
     out = subprocess.run(
         [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path}", "--virtual-time-budget=8000", "--dump-dom", exporter_url + "/"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=hang_guard(12),
     )  # fmt: skip
     dom = out.stdout
     body = re.search(r'<tbody id="rows">(.*?)</tbody>', dom, re.S)

@@ -19,6 +19,7 @@ from kvdiag.refpool.scenarios import SCENARIOS, ScenarioRun
 from kvdiag.refpool.serve import MetricsServer
 from kvdiag.report.json import dumps
 from tests.checks.scenario import recording
+from tests.conftest import hang_guard
 from tests.mixin.prom import Prometheus
 from tests.whatif.conftest import record
 
@@ -105,7 +106,7 @@ def test_live_urls(live: tuple[str, Prometheus], capsys: pytest.CaptureFixture[s
 
 def test_prometheus_range(live: tuple[str, Prometheus], capsys: pytest.CaptureFixture[str]) -> None:
     url, prom = live
-    Prometheus.wait(lambda: prom.query('count_over_time(up{job="engine"}[30s]) >= 9'), 120, "9 scrapes of the engine in Prometheus")
+    Prometheus.wait(lambda: prom.query('count_over_time(up{job="engine"}[30s]) >= 9'), hang_guard(20), "9 scrapes of the engine in Prometheus")
     code, out, err = whatif(capsys, "--prometheus", prom.url, "--since", "8s", "--step", "1s", "--remedy", "dp=2")
     assert code == 0, err
     [inst] = out["instances"]
