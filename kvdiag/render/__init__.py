@@ -26,11 +26,13 @@ def render_all(
     lbl: Labels = Labels(),
     datasource_uid: str = grafana_alerts.DATASOURCE_UID,
     for_by: Mapping[str, str] = rules.FOR_DEFAULTS,
+    interval: float = rules.INTERVAL,
 ) -> dict[str, str]:
-    """``for_by``: each alert's ``for:`` by severity and ``absent`` (``rules.for_durations``)."""
+    """``for_by``: each alert's ``for:`` by severity and ``absent`` (``rules.for_durations``);
+    ``interval``: every rule group's evaluation interval in seconds (the scrape interval)."""
     files = {
-        RULES_RECORDING: rules.recording_file(config, lbl),
-        RULES_ALERTS: rules.alert_file(config, links, lbl, for_by),
+        RULES_RECORDING: rules.recording_file(config, lbl, interval),
+        RULES_ALERTS: rules.alert_file(config, links, lbl, for_by, interval),
         GRAFANA_ALERTS: grafana_alerts.provisioning_file(config, links, lbl, datasource_uid, for_by),
         RUNBOOKS: runbooks.render(config, for_by),
     }

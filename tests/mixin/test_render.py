@@ -111,7 +111,9 @@ def test_six_alerts_with_severities_annotations_and_for() -> None:
         ann = r["annotations"]
         assert set(ann) == {"summary", "description", "runbook_url", "dashboard_url"}, r["alert"]
         assert ann["summary"].endswith(".")
-        assert "{{" in ann["description"] and "query" in ann["description"]
+        assert "{{ $labels.instance }}" in ann["description"]
+        assert "query" not in ann["description"]  # figures from the alert's own value, no query per alert
+        assert ("{{ $value" in ann["description"]) == (r["alert"] != "KvdiagEngineMetricsAbsent")
         assert re.fullmatch(r"\d+m", r["for"])
         assert "://" not in ann["runbook_url"] + ann["dashboard_url"]  # no host names baked in
     absent = next(r for r in rules if r["alert"] == "KvdiagEngineMetricsAbsent")
