@@ -8,7 +8,7 @@ here instead of by hand:
 
 - ``sel``: a family under both spellings a Prometheus 2.x server may store it as
   (``sglang:x`` and the underscore-escaped ``sglang_x`` that prometheus_client >= 0.23 serves
-  to old scrapers), as one ``__name__`` regex;
+  to old scrapers), as one ``__name__`` regex (``sglang:x|sglang_x``);
 - ``gauge`` / ``counter_total``: one figure per instance from one scrape, as an adapter reads
   it: max over the duplicate labels (everything not in the instance key), then sum over
   partitions. The first rule layer records these; rates are taken by later layers over the
@@ -61,9 +61,11 @@ CHECK_STATUS = "instance:kvdiag_check:status"
 
 
 def sel(family: str, suffix: str = "", matchers: str = "") -> str:
-    """A selector for one family (``prefix:name``) under both of its stored spellings."""
+    """A selector for one family (``prefix:name``) under both of its stored spellings, as an
+    alternation of the two names: Prometheus looks such a set up in its index directly, where
+    a character class (``sglang[:_]name``) makes it try the regex on every metric name."""
     prefix, _, rest = family.partition(":")
-    name = f"{prefix}[:_]{rest}{suffix}" if rest else family + suffix
+    name = f"{prefix}:{rest}{suffix}|{prefix}_{rest}{suffix}" if rest else family + suffix
     inner = f'__name__=~"{name}"'
     return "{" + inner + (", " + matchers if matchers else "") + "}"
 
