@@ -278,6 +278,13 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
     if p.max is not None:
         defaults["max"] = p.max
         defaults["min"] = 0
+    targets = [
+        {
+            "datasource": DS, "editorMode": "code", "expr": q.expr, "format": "table" if p.kind == "table" else "time_series",
+            "instant": q.instant, "legendFormat": q.legend, "range": not q.instant, "refId": chr(ord("A") + i),
+        }
+        for i, q in enumerate(p.queries)
+    ]
     out = {
         "datasource": DS,
         "description": p.description,
@@ -285,18 +292,12 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
         "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
         "id": pid,
         "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}, "tooltip": {"mode": "multi", "sort": "desc"}},
-        "targets": [
-            {
-                "datasource": DS, "editorMode": "code", "expr": q.expr, "format": "table" if p.kind == "table" else "time_series",
-                "instant": q.instant, "legendFormat": q.legend, "range": not q.instant, "refId": chr(ord("A") + i),
-            }
-            for i, q in enumerate(p.queries)
-        ],
+        "targets": targets,
         "title": p.title,
         "type": p.kind,
     }
     if p.kind == "heatmap":
-        out["targets"][0]["format"] = "heatmap"
+        targets[0]["format"] = "heatmap"
         out["options"] = {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
                           "yAxis": {"unit": "percentunit"}, "tooltip": {"show": True, "yHistogram": False}}
     if p.kind == "table":
