@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
         interval = parse_duration(args.interval)
         if interval <= 0:
             raise ValueError(f"--interval {args.interval!r}: the interval must be positive")
-    except ValueError as exc:  # a ConfigError is one too
+        files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid,
+                           for_by=for_by, interval=interval)
+    except ValueError as exc:  # a ConfigError is one too; so is an interval the window cannot hold
         print(f"kvdiag render: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid, for_by=for_by,
-                       interval=interval)
     root = Path(args.out)
     if args.check:
         stale = [p for p, text in files.items() if not (root / p).exists() or (root / p).read_text(encoding="utf-8") != text]
