@@ -14,7 +14,9 @@ generated keep-list (``rules/keep``); ``--families all`` serves the whole exposi
 
 Reported per rule group: average and maximum evaluation time against the interval (every
 evaluation seen after the warm-up, read from /api/v1/rules every few seconds), missed
-iterations and failures after the warm-up; head series and RSS at the end; the share of
+iterations and failures after the warm-up; at the end, the CPU seconds Prometheus spends on
+one evaluation of each group (its expressions run through the query API, timed by Prometheus'
+own CPU counter: what the group costs whatever else runs on the machine); head series and RSS; the share of
 instances each kvdiag alert is active on (pending or firing), sampled every minute after the
 warm-up; ``KvdiagEngineMetricsAbsent`` instances (every instance sends its families, so any is
 wrong); the load average; and with ``--dashboards`` every dashboard panel query with every
@@ -138,6 +140,22 @@ def query(url: str, expr: str, **params: str) -> list[dict]:
     return r["data"]["result"]
 
 
+def cpu_per_evaluation(url: str, rule_files: list[str], reps: int = 3) -> dict[str, float]:
+    """Prometheus' CPU seconds for one evaluation of each group: its rules' expressions run
+    through the query API in order, ``reps`` times, timed by the process's own CPU counter. Unlike
+    an evaluation's wall time this does not grow with what else runs on the machine, so it
+    says what the group costs on cores of its own."""
+    out = {}
+    for text in rule_files:
+        for g in yaml.safe_load(text)["groups"]:
+            before = metrics(url)["process_cpu_seconds_total"]
+            for _ in range(reps):
+                for r in g["rules"]:
+                    query(url, r["expr"])
+            out[g["name"]] = (metrics(url)["process_cpu_seconds_total"] - before) / reps
+    return out
+
+
 def dashboard_timings(url: str, interval: float, span: float, budget_s: float = 300.0) -> list[tuple[str, float]]:
     """Every panel query of the committed dashboards, every instance selected, 3 runs each
     (fewer where ``budget_s`` runs out first: the bench stays bounded on a slow machine)."""
@@ -250,6 +268,7 @@ def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: fl
             "load_avg_1m": {"mean": statistics.mean(loads) if loads else math.nan, "max": max(loads, default=math.nan)},
             "cpus": os.cpu_count(),
         }
+        out["cpu_s_per_evaluation"] = cpu_per_evaluation(url, [RENDERED[RULES_RECORDING], RENDERED[RULES_ALERTS]])
         if dashboards:
             timings = dashboard_timings(url, interval_s, min(3600.0, minutes * 60))
             values = [t for _, t in timings]
@@ -290,6 +309,7 @@ def main() -> None:
               f"({f['missed_since_start']:g} since the start), failures {f['failures']:g}")
     print(f"head series {out['head_series']:.0f}, RSS {out['rss_gib']:.2f} GiB, Prometheus CPU {out['prometheus_cores']:.2f} cores, "
           f"load average {out['load_avg_1m']}")
+    print("Prometheus CPU per evaluation (s):", {g: round(v, 3) for g, v in out["cpu_s_per_evaluation"].items()})
     print("slowest rules (avg s):", [(round(t, 3), name) for t, name in out["slowest_rules"]])
     print("alert active share %:", {k: round(v, 1) for k, v in out["alert_share_pct"].items()})
     if "dashboards" in out:
