@@ -6,7 +6,8 @@ Writes ``rules/`` (recording + alerting rules), ``dashboards/`` (Grafana JSON),
 ``--check`` writes nothing and exits 1 listing the files that differ from a fresh render (the
 CI guard against hand edits and forgotten regenerations, like vLLM's dashboard ``--check``).
 Thresholds come from the same config as ``diagnose`` (``--config``, ``--set``); ``--for
-SEVERITY=DURATION`` changes how long alerts of a severity (or the ``absent`` guard) wait.
+SEVERITY=DURATION`` changes how long alerts of a severity (or the ``absent`` guard) wait;
+``--interval`` every rule group's evaluation interval (set it to the engines' scrape interval).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvdiag.config import resolve
+from kvdiag.config import parse_duration, resolve
 from kvdiag.render import render_all
 from kvdiag.render.grafana_alerts import DATASOURCE_UID
-from kvdiag.render.rules import FOR_DEFAULTS, Links, for_durations
+from kvdiag.render.rules import FOR_DEFAULTS, INTERVAL, Links, for_durations
 
 EXIT_STALE = 1
 EXIT_ERROR = 3
@@ -37,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--for", dest="for_", action="append", default=[], metavar="KEY=DURATION",
                    help="how long an alert's condition must hold before it fires, by severity or for the metrics-absent "
                         "guard (repeatable; defaults: " + ", ".join(f"{k}={v}" for k, v in FOR_DEFAULTS.items()) + ")")
+    p.add_argument("--interval", default=f"{INTERVAL:g}s", metavar="DURATION",
+                   help="every rule group's evaluation interval: the engines' scrape interval (default: %(default)s)")
     return p
 
 
@@ -44,10 +47,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = resolve(args.config, args.set)
         for_by = for_durations(args.for_)
-    except ValueError as exc:  # a ConfigError is one too
+        interval = parse_duration(args.interval)
+        if interval <= 0:
+            raise ValueError(f"--interval {args.interval!r}: the interval must be positive")
+        files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid,
+                           for_by=for_by, interval=interval)
+    except ValueError as exc:  # a ConfigError is one too; so is an interval the window cannot hold
         print(f"kvdiag render: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    files = render_all(config, Links(args.runbook_base_url, args.grafana_url), datasource_uid=args.grafana_datasource_uid, for_by=for_by)
     root = Path(args.out)
     if args.check:
         stale = [p for p, text in files.items() if not (root / p).exists() or (root / p).read_text(encoding="utf-8") != text]

@@ -14,7 +14,7 @@ is deterministic: sorted keys, ids and ``refId`` by position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvdiag.config import Config
 from kvdiag.render.normalize import series_name
@@ -40,7 +40,7 @@ class Query:
 @dataclass(frozen=True)
 class Panel:
     title: str
-    kind: str  # timeseries | stat | table | state-timeline
+    kind: str  # timeseries | stat | table | state-timeline | heatmap
     queries: tuple[Query, ...]
     description: str
     unit: str = "short"
@@ -97,19 +97,47 @@ def _legend(lbl: Labels) -> str:
     return "{{" + lbl.target[-1] + "}}" + "".join(f"{{{{{s}}}}}" for s in lbl.split)
 
 
+#: Instances listed in the overview's worst-k tables.
+WORST = 10
+#: The admission usage buckets of the overview's heatmap (upper bounds).
+HEAT_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
+
+
+def picked(lbl: Labels) -> str:
+    """A condition that holds only where instances are picked (not "All"): Grafana writes the
+    variable's text into the query, and "All" is its ``allValue`` ``.*``. Per-instance series
+    are drawn only then, so a fleet of thousands never sends one series per instance."""
+    var = f"${lbl.target[-1]}"
+    return f'and on () (label_replace(vector(1), "picked", "{var}", "", "") unless on (picked) label_replace(vector(1), "picked", ".*", "", ""))'
+
+
+def _heatmap(series: str) -> str:
+    """Instances per admission usage bucket (cumulative ``le``, Grafana's heatmap format)."""
+    return "\nor ".join(f'label_replace(count({series} <= {b:g}) or vector(0), "le", "{b:g}", "", "")' for b in HEAT_BUCKETS) + \
+        f'\nor label_replace(count({series}) or vector(0), "le", "+Inf", "", "")'
+
+
 def overview(config: Config, lbl: Labels = Labels()) -> Dashboard:
+    """The fleet at a glance with every instance selected (counts, the worst few, a heatmap);
+    the per-instance panels fill in only once instances are picked (``picked``)."""
     n, s, leg = _names(config), _sel(lbl), _legend(lbl)
-    alerts = f'ALERTS{{alertname=~"Kvdiag.*", {lbl.target[0]}=~"$job"}}'
+    alerts = f'ALERTS{{alertname=~"Kvdiag.*", {lbl.target[0]}=~"$job", {lbl.target[-1]}=~"$instance"}}'
+    only = picked(lbl)
     per_instance = lambda key, title, unit, desc, **kw: Panel(  # noqa: E731
-        title, "timeseries", (Query(f"{n[key]}{s}", leg),), desc, unit, **kw
+        title, "timeseries", (Query(f"{n[key]}{s} {only}", leg),), desc + " Drawn once instances are picked.", unit, **kw
+    )
+    worst = lambda key, title, unit, desc: Panel(  # noqa: E731
+        title, "table", (Query(f"topk({WORST}, {n[key]}{s})", key, instant=True),), desc, unit, width=8
     )
     table = tuple(
-        Query(f"{n[key]}{s}", key, instant=True) for key in ("usage", "waiting", "running", "evictions", "ttft", "hit", "ceiling")
+        Query(f"{n[key]}{s} {only}", key, instant=True) for key in ("usage", "waiting", "running", "evictions", "ttft", "hit", "ceiling")
     )
+    quantile = f"P{config.ttft_quantile * 100:g} TTFT"
     return Dashboard(
         OVERVIEW_UID,
         "KV pool overview",
-        "Is the GPU KV pool (L1) what caps concurrency and drives P99 TTFT, across the fleet?",
+        "Is the GPU KV pool (L1) what caps concurrency and drives P99 TTFT, across the fleet? With every instance "
+        "selected: counts, the worst few and the spread; pick instances to see their own series.",
         (
             Panel("Verdicts", "stat", (
                 Query(f"count by (alertname, alertstate) ({alerts})", "{{alertname}} ({{alertstate}})", instant=True),
@@ -117,6 +145,10 @@ def overview(config: Config, lbl: Labels = Labels()) -> Dashboard:
             ), "Instances per kvdiag alert (from the rules; pending = condition true, waiting out `for:`), and per verdict from the kvdiag exporter where it runs.", width=16),
             Panel("Instances", "stat", (Query(f"count({INSTANCE_INFO}{s})", "instances", instant=True),),
                   "Engine instances (data-parallel engines) reporting scheduler metrics.", width=8),
+            worst("waiting", f"Worst {WORST} by waiting requests", "short", "The longest waiting queues now."),
+            worst("admission", f"Worst {WORST} by KV admission usage", "percentunit",
+                  "The fullest pools now, as admission counts them (usage + the room the next admission needs)."),
+            worst("ttft", f"Worst {WORST} by {quantile}", "s", "The slowest first tokens over the window now."),
             Panel("KV admission usage spread", "timeseries", (
                 Query(f"max({n['admission']}{s})", "max"),
                 Query(f"quantile(0.5, {n['admission']}{s})", "median"),
@@ -125,19 +157,23 @@ def overview(config: Config, lbl: Labels = Labels()) -> Dashboard:
                "the output reserve where the engine keeps one, the room one step frees where the gauge is read after the "
                "frees); the line is the saturation threshold.",
                   "percentunit", thresholds=((config.saturated_usage, "red"),), max=1.0),
+            Panel("KV admission usage heatmap", "heatmap", (Query(_heatmap(f"{n['admission']}{s}"), "{{le}}"),),
+                  "Instances by admission usage over time: how much of the fleet sits near the saturation threshold "
+                  f"({config.saturated_usage:g}).", "short"),
             per_instance("waiting", "Waiting requests", "short", "Requests in each instance's waiting queue."),
             per_instance("evictions", "Evictions per second", "reqps", "Running requests retracted (SGLang) or preempted (vLLM) and recomputed."),
-            per_instance("ttft", f"P{config.ttft_quantile * 100:g} TTFT", "s", "From the TTFT histogram over the window; the line is the SLO.",
+            per_instance("ttft", quantile, "s", "From the TTFT histogram over the window; the line is the SLO.",
                          thresholds=((config.ttft_slo, "red"),)),
             per_instance("hit", "Prefix hit ratio", "percentunit", "Prefix-cache hit tokens / queried tokens, from counters.", max=1.0),
-            Panel("Instance table", "table", table, "Each instance now: usage, queue, evictions, TTFT, hit ratio, ceiling.", width=24, height=10),
+            Panel("Instance table", "table", table, "Each picked instance now: usage, queue, evictions, TTFT, hit ratio, ceiling.",
+                  width=24, height=10),
         ),
     )
 
 
 def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
     n, s, leg = _names(config), _sel(lbl), _legend(lbl)
-    return Dashboard(
+    return _only_picked(lbl, Dashboard(
         INSTANCE_UID,
         "KV pool instance",
         "One engine instance's KV pool (L1): the three states, the queue, evictions, P99 TTFT, hit ratio, L2, the ceiling.",
@@ -201,7 +237,15 @@ def instance(config: Config, lbl: Labels = Labels()) -> Dashboard:
                 Query(f"{n['running']}{s}", leg + " running"),
             ), "Pool tokens / average sequence length (input + output) against the running count.", "short", width=24),
         ),
-    )
+    ))
+
+
+def _only_picked(lbl: Labels, d: Dashboard) -> Dashboard:
+    """The dashboard with every query drawn only for picked instances (``picked``): the
+    instance dashboard opened with "All" on a fleet would otherwise ask for every series."""
+    only = picked(lbl)
+    panels = tuple(replace(p, queries=tuple(replace(q, expr=f"({q.expr}) {only}") for q in p.queries)) for p in d.panels)
+    return replace(d, panels=panels)
 
 
 def _variables(d: Dashboard, lbl: Labels) -> list[dict]:
@@ -234,6 +278,13 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
     if p.max is not None:
         defaults["max"] = p.max
         defaults["min"] = 0
+    targets = [
+        {
+            "datasource": DS, "editorMode": "code", "expr": q.expr, "format": "table" if p.kind == "table" else "time_series",
+            "instant": q.instant, "legendFormat": q.legend, "range": not q.instant, "refId": chr(ord("A") + i),
+        }
+        for i, q in enumerate(p.queries)
+    ]
     out = {
         "datasource": DS,
         "description": p.description,
@@ -241,16 +292,14 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
         "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
         "id": pid,
         "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}, "tooltip": {"mode": "multi", "sort": "desc"}},
-        "targets": [
-            {
-                "datasource": DS, "editorMode": "code", "expr": q.expr, "format": "table" if p.kind == "table" else "time_series",
-                "instant": q.instant, "legendFormat": q.legend, "range": not q.instant, "refId": chr(ord("A") + i),
-            }
-            for i, q in enumerate(p.queries)
-        ],
+        "targets": targets,
         "title": p.title,
         "type": p.kind,
     }
+    if p.kind == "heatmap":
+        targets[0]["format"] = "heatmap"
+        out["options"] = {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
+                          "yAxis": {"unit": "percentunit"}, "tooltip": {"show": True, "yHistogram": False}}
     if p.kind == "table":
         out["transformations"] = [{"id": "merge", "options": {}}]
         out["options"] = {"cellHeight": "sm", "showHeader": True}

@@ -8,10 +8,12 @@ here instead of by hand:
 
 - ``sel``: a family under both spellings a Prometheus 2.x server may store it as
   (``sglang:x`` and the underscore-escaped ``sglang_x`` that prometheus_client >= 0.23 serves
-  to old scrapers), as one ``__name__`` regex;
-- ``gauge`` / ``counter_rate`` / ``counter_increase`` / ``histogram_rate``: max over the
-  duplicate labels (everything not in the instance key), then sum over partitions, with
-  counters always rated *before* aggregation (reset-safe);
+  to old scrapers), as one ``__name__`` regex (``sglang:x|sglang_x``);
+- ``gauge`` / ``counter_total``: one figure per instance from one scrape, as an adapter reads
+  it: max over the duplicate labels (everything not in the instance key), then sum over
+  partitions. The first rule layer records these; rates are taken by later layers over the
+  recorded totals (``rate`` of the one counter the adapters read, extrapolated once, with
+  resets seen as the window sees them);
 - ``broadcast``: a server-wide series (SGLang's tokenizer process has no ``dp_rank``) copied
   onto every data-parallel instance of its server, as the adapters do;
 - ``label_value``: a number that an engine only publishes as a label value (vLLM's
@@ -59,9 +61,11 @@ CHECK_STATUS = "instance:kvdiag_check:status"
 
 
 def sel(family: str, suffix: str = "", matchers: str = "") -> str:
-    """A selector for one family (``prefix:name``) under both of its stored spellings."""
+    """A selector for one family (``prefix:name``) under both of its stored spellings, as an
+    alternation of the two names: Prometheus looks such a set up in its index directly, where
+    a character class (``sglang[:_]name``) makes it try the regex on every metric name."""
     prefix, _, rest = family.partition(":")
-    name = f"{prefix}[:_]{rest}{suffix}" if rest else family + suffix
+    name = f"{prefix}:{rest}{suffix}|{prefix}_{rest}{suffix}" if rest else family + suffix
     inner = f'__name__=~"{name}"'
     return "{" + inner + (", " + matchers if matchers else "") + "}"
 
@@ -71,31 +75,12 @@ def gauge(lbl: Labels, family: str, matchers: str = "", partitions: tuple[str, .
     return _combine(lbl, sel(family, "", matchers), partitions)
 
 
-def counter_rate(lbl: Labels, family: str, window: str, matchers: str = "", partitions: tuple[str, ...] = ()) -> str:
-    """Per-second rate of a counter (``<family>_total``) per instance, rated before aggregation."""
-    return _combine(lbl, f"rate({sel(family, '_total', matchers)}[{window}])", partitions)
-
-
-def counter_total(lbl: Labels, family: str, matchers: str = "", partitions: tuple[str, ...] = ()) -> str:
-    """A counter's value (``<family>_total``) per instance: max over duplicates, summed over
-    ``partitions``, the figure an adapter reads from one scrape."""
-    return _combine(lbl, sel(family, "_total", matchers), partitions)
-
-
-def summed_rate(lbl: Labels, family: str, window: str, matchers: str = "", partitions: tuple[str, ...] = ()) -> str:
-    """``rate()`` of a counter summed over ``partitions`` (a subquery over ``counter_total``):
-    the rate of the one counter the adapters read, extrapolated once, where a sum of the
-    partitions' rates would extrapolate each partition on its own."""
-    return f"rate(({counter_total(lbl, family, matchers, partitions)})[{window}:])"
-
-
-def counter_increase(lbl: Labels, family: str, window: str, suffix: str = "_total", partitions: tuple[str, ...] = ()) -> str:
-    return _combine(lbl, f"increase({sel(family, suffix)}[{window}])", partitions)
-
-
-def histogram_rate(lbl: Labels, family: str, window: str, partitions: tuple[str, ...] = ()) -> str:
-    """Bucket rates per instance and ``le``, ready for ``histogram_quantile``."""
-    return _combine(lbl, f"rate({sel(family, '_bucket')}[{window}])", partitions, extra=("le",))
+def counter_total(lbl: Labels, family: str, matchers: str = "", partitions: tuple[str, ...] = (),
+                  suffix: str = "_total", extra: tuple[str, ...] = ()) -> str:
+    """A counter's value (``<family><suffix>``) per instance (and ``extra`` labels, e.g. a
+    histogram's ``le``): max over duplicates, summed over ``partitions``, the figure an adapter
+    reads from one scrape."""
+    return _combine(lbl, sel(family, suffix, matchers), partitions, extra)
 
 
 def _combine(lbl: Labels, inner: str, partitions: tuple[str, ...], extra: tuple[str, ...] = ()) -> str:

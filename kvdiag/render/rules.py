@@ -1,19 +1,24 @@
 """Prometheus recording and alerting rules, rendered from the checklist's catalog.
 
-Three rule groups, evaluated in order:
+Five rule groups, one per layer, each with an explicit ``interval:`` (Prometheus runs every
+group on its own clock, concurrently; ``promtool test rules`` evaluates them in ``GROUPS``
+order at each step):
 
-1. ``kvdiag-normalize``: engine series to ``instance:kvdiag_*`` (``kvdiag.render.normalize``,
-   the PromQL twin of the engine adapters);
-2. ``kvdiag-checks``: ``instance:kvdiag_check:status{check}`` per catalog check, 1 firing, 0 ok,
+1.-3. ``kvdiag-instance``, ``kvdiag-rates``, ``kvdiag-usage``: engine series to
+   ``instance:kvdiag_*`` (``kvdiag.render.normalize``, the PromQL twin of the engine adapters,
+   layered: instant figures first, windows over recorded series after);
+4. ``kvdiag-checks``: ``instance:kvdiag_check:status{check}`` per catalog check, 1 firing, 0 ok,
    absent when unknown (the same contract as the exporter's ``kvdiag_check_status``). The
-   condition is the catalog's own PromQL (``check_expr``); "known" means the check's primary
-   input series exists for the instance;
-3. ``kvdiag-alerts``: one alert per catalog verdict and finding that names an alert. A verdict
+   condition is the catalog's own PromQL (``check_expr``: windows over recorded series);
+   "known" means the check's primary input series exists for the instance and, for a check
+   about growth, that the instance's series reach back far enough in time (``enough``);
+5. ``kvdiag-alerts``: one alert per catalog verdict and finding that names an alert. A verdict
    fires for the status patterns (firing / ok / unknown per signal) that the Python decision
    (``kvdiag.checks.verdict.decide``) maps to it, so Prometheus and the CLI agree even when a
    signal is unknown; the ``unknown`` verdict is every other pattern, plus ``absent()`` of all
    engine metrics. Every alert is suppressed on an instance that is idle right now (nobody
-   running or waiting), so an idle engine never alerts.
+   running or waiting), so an idle engine never alerts. An alert's value is its figure (the
+   KV usage admission counts, or P99 TTFT), so annotations need no query of their own.
 """
 
 from __future__ import annotations
@@ -29,8 +34,21 @@ from kvdiag.checks.verdict import decide
 from kvdiag.config import Config, parse_duration, prom_duration
 from kvdiag.model import CheckResult, Evidence
 from kvdiag.render.dashboards import INSTANCE_SLUG, INSTANCE_UID
-from kvdiag.render.normalize import Recording, recordings, series_name
+from kvdiag.render.normalize import Recording, layers, series_name
 from kvdiag.render.promql import CHECK_STATUS, INSTANCE_INFO, Labels
+
+#: The rule groups in evaluation order (the normalization's layers, the checks, the alerts).
+CHECKS_GROUP, ALERTS_GROUP = "kvdiag-checks", "kvdiag-alerts"
+#: How often every group is evaluated unless ``kvdiag render --interval`` says otherwise: the
+#: scrape interval most fleets run, which the rules should match (a recorded series samples
+#: each scrape once).
+INTERVAL = 15.0
+
+
+def groups() -> list[str]:
+    """Every group's name, in layer order (what ``promtool test rules`` evaluates in turn)."""
+    return [name for name, _ in layers(Config())] + [CHECKS_GROUP, ALERTS_GROUP]
+
 
 #: ``for:`` by severity: a page waits less than a ticket, a troubleshooting note waits longest.
 FOR_BY_SEVERITY = {"critical": "2m", "warning": "5m", "info": "10m"}
@@ -78,7 +96,8 @@ class Alert:
     for_: str
     summary: str
     meaning: str  # the decision-table rows (or finding) it stands for, for the description
-    values: tuple[tuple[str, str, str], ...]  # (label, series, Go template format pipeline)
+    values: tuple[tuple[str, str, str], ...]  # (label, series, Go template format pipeline): what the runbook reads
+    value: tuple[str, str] | None  # (label, Go template pipeline) of the alert's own value, None: no figure
     kind: str  # "verdict" | "finding" | "absent"
     source: str  # catalog verdict or finding name
     remedies: tuple[str, ...] = field(default_factory=tuple)
@@ -107,17 +126,29 @@ def _on(lbl: Labels) -> str:
     return "on (" + ", ".join(lbl.key) + ")"
 
 
-def check_rules(config: Config, lbl: Labels) -> list[Recording]:
-    """A check is known where its primary series exists and, for a check about growth, where the
-    window holds ``min_samples`` scrapes (as the Python check says "needs a window")."""
-    out = []
+def enough(config: Config, interval: float) -> str:
+    """Where the window holds ``min_samples`` scrapes (as the Python check says "needs a
+    window"), counted in time rather than in points: the instance's queue series was recorded
+    at least (min_samples - 1) evaluation intervals back inside the window. A slow or skipped
+    evaluation leaves fewer points, never a shorter history, so it cannot read as unknown."""
+    back = max(config.min_samples - 1, 0) * interval
+    if back >= config.window:
+        raise ValueError(f"min_samples {config.min_samples:g} at a {interval:g}s interval do not fit in the {config.window:g}s window")
     waiting = _series("instance:kvdiag_waiting:requests", config)
-    enough = f"count_over_time({waiting}[{config.promql_params()['window']}]) >= {config.promql_params()['min_samples']}"
+    if back == 0:
+        return waiting
+    return f"present_over_time({waiting}[{prom_duration(config.window - back)}] offset {prom_duration(back)})"
+
+
+def check_rules(config: Config, lbl: Labels, interval: float = INTERVAL) -> list[Recording]:
+    """A check is known where its primary series exists and, for a check about growth, where the
+    instance's series reach back far enough (``enough``)."""
+    out = []
     for spec in CHECKS:
         primary = f"({spec.known.format(**config.promql_params())})" if spec.known else primary_series(spec.name, config)
         known = f"{INSTANCE_INFO} and {_on(lbl)} {primary}"
         if spec.growth:
-            known = f"({known}) and {_on(lbl)} ({enough})"
+            known = f"({known}) and {_on(lbl)} {enough(config, interval)}"
         firing = f"({known} and {_on(lbl)} ({check_expr(spec.name, config)})) * 0 + 1"
         expr = f"({firing}) or ({known}) * 0"
         out.append(Recording(CHECK_STATUS, expr, f"{spec.name}: {spec.title} (1 firing, 0 ok, absent unknown)", (("check", spec.name),)))
@@ -143,8 +174,14 @@ def _patterns(verdict: str, config: Config) -> list[tuple[str, ...]]:
     return [p for p in product(states, repeat=len(SIGNALS)) if _decided(p, config) == verdict]
 
 
-def _pattern_expr(pattern: tuple[str, ...], lbl: Labels) -> str:
-    return " ".join([INSTANCE_INFO] + [_status(c, st, lbl) for c, st in zip(SIGNALS.values(), pattern)])
+def _pattern_expr(pattern: tuple[str, ...], lbl: Labels, basis: str = INSTANCE_INFO) -> str:
+    return " ".join([basis] + [_status(c, st, lbl) for c, st in zip(SIGNALS.values(), pattern)])
+
+
+def _figure(series: str, lbl: Labels) -> str:
+    """Every instance, valued by ``series`` where it has one and NaN where not: the left side of
+    an alert's expression, whose value the alert carries (``and`` / ``unless`` keep it)."""
+    return f"({series} or on ({', '.join(lbl.key)}) {INSTANCE_INFO} * NaN)"
 
 
 def _not_idle(expr: str, config: Config, lbl: Labels) -> str:
@@ -161,6 +198,8 @@ DESCRIBED = {
     "instance:kvdiag_ttft_seconds:p99_{window}": ("P{quantile} TTFT", 'printf "%.2fs"'),
     "instance:kvdiag_prefix_hit:ratio{window}": ("prefix hit ratio", "humanizePercentage"),
 }
+#: What an alert's value is: a verdict's, the KV usage admission counts; a finding's, the TTFT quantile.
+ADMISSION_USAGE, TTFT = "instance:kvdiag_kv_admission_usage:ratio{window}", "instance:kvdiag_ttft_seconds:p99_{window}"
 CAPACITY_VALUES = tuple(DESCRIBED)[:4]  # the pool and the queue
 LATENCY_VALUES = tuple(DESCRIBED)[4:]  # TTFT beside the hit ratio
 
@@ -189,23 +228,27 @@ def alerts(config: Config, lbl: Labels = Labels(), for_by: Mapping[str, str] = F
                 "a signal the decision table needs is not reported, and the answer depends on it "
                 "(or no engine reports scheduler metrics at all)"
             )
-            out.append(Alert(v.alert, v.severity, expr, for_by["absent"], v.summary, meaning, _values(config, CAPACITY_VALUES), "absent", v.name, v.remedies))
+            out.append(Alert(v.alert, v.severity, expr, for_by["absent"], v.summary, meaning, _values(config, CAPACITY_VALUES),
+                             None, "absent", v.name, v.remedies))
             continue
-        terms = [f"({_pattern_expr(p, lbl)})" for p in _patterns(v.name, config)]
+        terms = "\nor ".join(f"({_pattern_expr(p, lbl)})" for p in _patterns(v.name, config))
         meaning = "; or ".join(r.meaning for r in DECISION_TABLE if r.verdict == v.name)
-        out.append(Alert(v.alert, v.severity, _not_idle("\nor ".join(terms), config, lbl), for_by[v.severity],
-                         v.summary, meaning, _values(config, tuple(DESCRIBED)), "verdict", v.name, v.remedies))
+        expr = f"{_figure(_series(ADMISSION_USAGE, config), lbl)} and {_on(lbl)} (\n{terms})"
+        out.append(Alert(v.alert, v.severity, _not_idle(expr, config, lbl), for_by[v.severity],
+                         v.summary, meaning, _values(config, tuple(DESCRIBED)), ("KV usage with the next admission's need", "humanizePercentage"),
+                         "verdict", v.name, v.remedies))
     for f in FINDINGS.values():
         if f.alert is None:
             continue
-        parts = [INSTANCE_INFO] + [_status(c, "firing", lbl) for c in f.all_of] + [_status(c, "ok", lbl) for c in f.none_of]
+        parts = [_figure(_series(TTFT, config), lbl)] + [_status(c, "firing", lbl) for c in f.all_of] + [_status(c, "ok", lbl) for c in f.none_of]
         if f.verdicts:
             parts.append(f"and {_on(lbl)} (" + " or ".join(
                 f"({_pattern_expr(p, lbl)})" for v in f.verdicts for p in _patterns(v, config)) + ")")
         titles = {c.name: c.title for c in CHECKS}
         meaning = " and ".join(titles[c] for c in f.all_of) + "".join(f", not {titles[c]}" for c in f.none_of)
         out.append(Alert(f.alert, f.severity, _not_idle(" ".join(parts), config, lbl), for_by[f.severity],
-                         f.summary, meaning, _values(config, LATENCY_VALUES), "finding", f.name, f.remedies))
+                         f.summary, meaning, _values(config, LATENCY_VALUES), (f"P{config.ttft_quantile * 100:g} TTFT", 'printf "%.2fs"'),
+                         "finding", f.name, f.remedies))
     return out
 
 
@@ -220,19 +263,11 @@ def _where(lbl: Labels) -> str:
     return "".join(parts)
 
 
-def _query_value(series: str, pipeline: str, lbl: Labels) -> str:
-    """A Prometheus template that looks up another series of the same instance."""
-    matchers = ",".join(f"{k}=%q" for k in lbl.key)
-    args = " ".join(f"$labels.{k}" for k in lbl.key)
-    return (
-        f'{{{{ with printf "{series}{{{matchers}}}" {args} | query }}}}'
-        f"{{{{ . | first | value | {pipeline} }}}}{{{{ else }}}}n/a{{{{ end }}}}"
-    )
-
-
 def description(alert: Alert, lbl: Labels) -> str:
-    values = ", ".join(f"{label} {_query_value(series, pipe, lbl)}" for label, series, pipe in alert.values)
-    return f"{_where(lbl)}: {alert.meaning}. Now: {values}."
+    """The instance (the alert's labels), what the alert means and its figure (its value): no
+    query per alert, so a fleet with thousands of alerts costs nothing to annotate."""
+    now = f" Now: {alert.value[0]} {{{{ $value | {alert.value[1]} }}}}." if alert.value else ""
+    return f"{_where(lbl)}: {alert.meaning}.{now}"
 
 
 def runbook_url(alert: Alert, links: Links) -> str:
@@ -270,17 +305,15 @@ def dump(data: object) -> str:
 HEADER = "# Generated by `kvdiag render` from kvdiag/checks/catalog.py and kvdiag/config.py; do not edit.\n"
 
 
-def recording_file(config: Config, lbl: Labels = Labels()) -> str:
-    groups = [
-        ("kvdiag-normalize", recordings(config, lbl)),
-        ("kvdiag-checks", check_rules(config, lbl)),
-    ]
+def recording_file(config: Config, lbl: Labels = Labels(), interval: float = INTERVAL) -> str:
+    rule_groups = layers(config, lbl) + [(CHECKS_GROUP, check_rules(config, lbl, interval))]
     text = HEADER
     text += "# Recording rules: engine series (sglang:*, sglang_*, vllm:*, vllm_*) to instance:kvdiag_* series,\n"
-    text += "# one per data-parallel engine (" + ", ".join(lbl.key) + "), then the checklist's checks.\n"
+    text += "# one per data-parallel engine (" + ", ".join(lbl.key) + "), then the checklist's checks. One group per\n"
+    text += "# layer: the first reads engine series at one instant, later ones take windows over recorded series.\n"
     text += "groups:\n"
-    for name, rules in groups:
-        text += f"- name: {name}\n  rules:\n"
+    for name, rules in rule_groups:
+        text += f"- name: {name}\n  interval: {prom_duration(interval)}\n  rules:\n"
         for r in rules:
             text += f"  # {r.meaning}\n" + _indent(dump([_recording(r)]), "  ")
     return text
@@ -297,7 +330,8 @@ def _recording(r: Recording) -> dict:
     return out
 
 
-def alert_file(config: Config, links: Links = Links(), lbl: Labels = Labels(), for_by: Mapping[str, str] = FOR_DEFAULTS) -> str:
+def alert_file(config: Config, links: Links = Links(), lbl: Labels = Labels(), for_by: Mapping[str, str] = FOR_DEFAULTS,
+               interval: float = INTERVAL) -> str:
     rules = []
     for a in alerts(config, lbl, for_by):
         rules.append({
@@ -312,4 +346,4 @@ def alert_file(config: Config, links: Links = Links(), lbl: Labels = Labels(), f
                 "dashboard_url": dashboard_url(links, lbl),
             },
         })
-    return HEADER + dump({"groups": [{"name": "kvdiag-alerts", "rules": rules}]})
+    return HEADER + dump({"groups": [{"name": ALERTS_GROUP, "interval": prom_duration(interval), "rules": rules}]})

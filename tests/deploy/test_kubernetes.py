@@ -10,6 +10,7 @@ import yaml
 
 from kvdiag.cli import build_parser
 from kvdiag.render import PROMETHEUS_RULE, RULES_ALERTS, RULES_RECORDING
+from kvdiag.render.rules import groups as rule_groups
 from kvdiag.server import settings
 from tests.mixin.conftest import ROOT
 
@@ -49,7 +50,7 @@ def test_the_prometheus_rule_holds_the_groups_of_rules() -> None:
     rule = yaml.safe_load((ROOT / PROMETHEUS_RULE).read_text())
     groups = [g for p in (RULES_RECORDING, RULES_ALERTS) for g in yaml.safe_load((ROOT / p).read_text())["groups"]]
     assert rule["spec"]["groups"] == groups
-    assert [g["name"] for g in groups] == ["kvdiag-normalize", "kvdiag-checks", "kvdiag-alerts"]
+    assert [g["name"] for g in groups] == rule_groups()
 
 
 def test_the_deployment_runs_serve_on_its_config_map(tmp_path: Path) -> None:

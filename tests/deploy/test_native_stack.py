@@ -9,8 +9,9 @@ container paths to the mounted files, images to binaries); on top of it this tes
 things, both to fit CI's time:
 
 - the rules: ``./rules`` is replaced by rules rendered into a temporary folder with
-  ``kvdiag render --for critical=5s --for warning=5s --for info=5s --for absent=5s``, the same
-  rules with every ``for:`` at 5 s instead of 2-10 minutes;
+  ``kvdiag render --interval 5s --for critical=5s --for warning=5s --for info=5s --for absent=5s``,
+  the same rules evaluated at the stack's 5 s scrape interval, with every ``for:`` at 5 s instead
+  of 2-10 minutes;
 - the simulators' ``--speed``: 10 simulated seconds per wall second instead of 4, so vLLM's
   pool saturates within seconds (the compose file's 1800 simulated seconds still outlast the test).
 
@@ -88,7 +89,8 @@ def _running(processes: list[Process]) -> Iterator[None]:
 
 def _rules(tmp: Path) -> Path:
     out = tmp / "render"
-    assert main(["render", "--out", str(out), *(f"--for={k}={SHORT_FOR}" for k in FOR_DEFAULTS)]) == 0
+    # rules evaluated at the stack's 5 s scrape interval (deploy/prometheus/prometheus.yml)
+    assert main(["render", "--out", str(out), "--interval=5s", *(f"--for={k}={SHORT_FOR}" for k in FOR_DEFAULTS)]) == 0
     return out / "rules"
 
 

@@ -1,7 +1,8 @@
 """A real Prometheus (the Debian package's binary) for the mixin tests.
 
 Started on 127.0.0.1 with a temporary data directory, a 1 s scrape and evaluation interval,
-the given rule files and static loopback targets; queried over its HTTP API. Every wait is
+the given rule files and static loopback targets (each job with the given
+``metric_relabel_configs``, e.g. kvdiag's keep-list); queried over its HTTP API. Every wait is
 bounded and says what it waited for when it gives up. ``Process`` (any server on loopback,
 ready when a URL answers 200) is what the deploy tests run the compose stack's services with.
 """
@@ -82,7 +83,8 @@ class Process:
 
 
 class Prometheus(Process):
-    def __init__(self, binary: str, workdir: Path, rule_files: list[Path], jobs: dict[str, str]) -> None:
+    def __init__(self, binary: str, workdir: Path, rule_files: list[Path], jobs: dict[str, str],
+                 metric_relabel_configs: list[dict] | None = None) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -90,7 +92,9 @@ class Prometheus(Process):
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [url.split("//", 1)[1]]}]} for job, url in jobs.items()
+                {"job_name": job, "static_configs": [{"targets": [url.split("//", 1)[1]]}],
+                 **({"metric_relabel_configs": metric_relabel_configs} if metric_relabel_configs else {})}
+                for job, url in jobs.items()
             ],
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))

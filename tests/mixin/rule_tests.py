@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from kvdiag.render import RULES_ALERTS, RULES_RECORDING
+from kvdiag.render.rules import groups as rule_groups
 from tests.mixin.conftest import ROOT, need
 from tests.mixin.test_differential import INTERVAL
 from tests.mixin.test_promtool import _without_annotations
@@ -21,7 +22,7 @@ def run_rule_tests(groups: list[dict], tmp_path: Path, name: str, timeout: float
     doc = {
         "rule_files": [str(ROOT / RULES_RECORDING), str(_without_annotations(ROOT / RULES_ALERTS, tmp_path / "alerts.yaml"))],
         "evaluation_interval": f"{int(INTERVAL)}s",
-        "group_eval_order": ["kvdiag-normalize", "kvdiag-checks", "kvdiag-alerts"],
+        "group_eval_order": rule_groups(),
         "tests": groups,
     }
     path = tmp_path / f"{name}.yaml"

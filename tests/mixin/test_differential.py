@@ -40,6 +40,7 @@ from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.scenarios import ENGINES, SCENARIOS
 from kvdiag.refpool.sim import EPOCH
 from kvdiag.render import RULES_ALERTS, RULES_RECORDING
+from kvdiag.render.rules import groups as rule_groups
 from kvdiag.window import Window
 from tests.mixin.conftest import ROOT, need
 from tests.mixin.test_promtool import _without_annotations
@@ -138,7 +139,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory, scenario_recordings: list[Re
     doc = {
         "rule_files": [str(ROOT / RULES_RECORDING), str(alerts)],
         "evaluation_interval": f"{int(INTERVAL)}s",
-        "group_eval_order": ["kvdiag-normalize", "kvdiag-checks", "kvdiag-alerts"],
+        "group_eval_order": rule_groups(),
         "tests": groups,
     }
     path = tmp / "differential.yaml"

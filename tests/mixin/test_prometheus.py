@@ -1,6 +1,8 @@
 """The committed rules and dashboards on a real Prometheus, scraping simulated engines.
 
-One Prometheus for the module (1 s scrape and evaluation interval) scrapes every story of
+One Prometheus for the module (1 s scrape and evaluation interval, the rules rendered for that
+interval: ``kvdiag render --interval 1s``, and the rendered keep-list on every job, so the
+rules are seen to need nothing it drops) scrapes every story of
 ``stories.STORIES`` (SGLang and vLLM, several dialects, TP-rank duplicates, DP engines,
 underscore-escaped names, legacy vLLM names, an idle engine, an SGLang without the retraction
 counter) plus a stand-in for the kvdiag exporter's ``kvdiag_verdict``/``kvdiag_check_status``.
@@ -14,6 +16,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,7 +30,10 @@ from kvdiag.engines import normalize_scrape
 from kvdiag.model import Diagnosis, Scrape
 from kvdiag.refpool.emit import content_type
 from kvdiag.refpool.serve import MetricsServer
-from kvdiag.render import GRAFANA_ALERTS, RULES_ALERTS, RULES_RECORDING, RUNBOOKS
+from kvdiag.render import GRAFANA_ALERTS, KEEP_LIST, RULES_ALERTS, RULES_RECORDING, RUNBOOKS, render_all
+from kvdiag.render.dashboards import picked
+from kvdiag.render.promql import INSTANCE_INFO, Labels
+from kvdiag.render.rules import groups as rule_groups
 from kvdiag.window import windows
 from tests.conftest import hang_guard
 from tests.mixin.conftest import ROOT, need
@@ -113,7 +119,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         s.server.start()
     exporter.start()
     jobs = {name: s.server.url for name, s in served.items()} | {"kvdiag": exporter.url}
-    prom = Prometheus(binary, tmp_path_factory.mktemp("prometheus"), [ROOT / RULES_RECORDING, ROOT / RULES_ALERTS], jobs)
+    rules_dir = tmp_path_factory.mktemp("rules")
+    rendered = render_all(interval=1.0)
+    for name in (RULES_RECORDING, RULES_ALERTS):
+        (rules_dir / Path(name).name).write_text(rendered[name])
+    keep = yaml.safe_load(rendered[KEEP_LIST])["metric_relabel_configs"]
+    prom = Prometheus(binary, tmp_path_factory.mktemp("prometheus"),
+                      [rules_dir / Path(RULES_RECORDING).name, rules_dir / Path(RULES_ALERTS).name], jobs, keep)
     try:
         prom.start()
         expected = _expected()
@@ -137,9 +149,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 def test_rules_load_and_evaluate_without_errors(world: World) -> None:
     groups = world.prom.api("rules")["groups"]
-    assert {g["name"] for g in groups} == {"kvdiag-normalize", "kvdiag-checks", "kvdiag-alerts"}
+    assert sorted(g["name"] for g in groups) == sorted(rule_groups())
+    assert {g["interval"] for g in groups} == {1}
     bad = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r.get("health") != "ok"]
     assert not bad
+
+
+def test_the_keep_list_drops_the_families_the_rules_do_not_read(world: World) -> None:
+    """The stories serve families no rule reads (latency histograms, throughput gauges...):
+    none is stored, while every verdict still comes out (the fixture waited for them)."""
+    keep = re.compile(yaml.safe_load(render_all()[KEEP_LIST])["metric_relabel_configs"][0]["regex"])
+    served = set()
+    for s in world.served.values():
+        with s.lock:
+            body = s.scrapes[-1].body
+        served |= {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")}
+    dropped = {name for name in served if not keep.fullmatch(name)}
+    assert dropped, "every family served is kept: the test would show nothing"
+    stored = {s["metric"]["__name__"] for s in world.prom.query('count by (__name__) ({__name__=~"(sglang|vllm).+"})')}
+    assert stored and not stored & dropped, sorted(stored & dropped)
 
 
 def test_escaped_names_are_stored_as_escaped_and_read(world: World) -> None:
@@ -206,17 +234,29 @@ def _dashboard_queries() -> list[tuple[str, str, str]]:
     return out
 
 
-def _substitute(expr: str) -> str:
-    return re.sub(r"\$(job|instance|model)\b", ".*", expr)
+def _substitute(expr: str, instance: str = ".*") -> str:
+    """A panel's query as Grafana sends it: every instance selected (``.*``, the variables'
+    "All"), or one picked instance (its address, regex-escaped as Grafana writes it)."""
+    return re.sub(r"\$(job|model)\b", ".*", expr).replace("$instance", instance)
 
 
 def test_every_dashboard_panel_query_answers_with_data(world: World) -> None:
-    empty = [
-        f"{dash} / {panel}: {expr}"
-        for dash, panel, expr in _dashboard_queries()
-        if not world.prom.query(_substitute(expr))
-    ]
+    """With every instance selected, every fleet panel answers; the per-instance panels answer
+    once an instance is picked, and stay empty for "All" (no series per instance for a fleet)."""
+    # Grafana escapes a picked value for a regex inside a PromQL string: 127\\.0\\.0\\.1:port
+    picks = sorted({re.escape(s["metric"]["instance"]).replace("\\", "\\\\") for s in world.prom.query(INSTANCE_INFO)})
+    queries = _dashboard_queries()
+    per_instance = [q for q in queries if picked(Labels()) in q[2]]
+    assert per_instance and len(per_instance) < len(queries)
+
+    def answers(expr: str, is_per_instance: bool) -> bool:
+        """With every instance selected, or (a per-instance panel) with some one instance picked."""
+        return any(world.prom.query(_substitute(expr, one)) for one in (picks if is_per_instance else [".*"]))
+
+    empty = [f"{dash} / {panel}: {expr}" for dash, panel, expr in queries if not answers(expr, (dash, panel, expr) in per_instance)]
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
+    shown = [f"{dash} / {panel}" for dash, panel, expr in per_instance if world.prom.query(_substitute(expr))]
+    assert not shown, f"per-instance series drawn with every instance selected: {shown}"
 
 
 def test_dashboard_variables_resolve(world: World) -> None:
@@ -251,7 +291,10 @@ def test_alert_annotations_expand_with_values_and_link_to_runbook_sections(world
         assert "error" not in ann["description"].lower(), ann["description"]
         assert a["labels"]["instance"] in ann["description"]
         if a["labels"]["alertname"] in ("KvdiagL1KVPoolBottleneck", "KvdiagL1KVPoolPressure"):
-            assert "n/a" not in ann["description"], ann["description"]
+            # the alert's own value: the KV usage admission counts, as a percentage
+            assert re.search(r"Now: KV usage with the next admission's need [0-9.]+%\.$", ann["description"]), ann["description"]
+        if a["labels"]["alertname"] == "KvdiagCacheHealthyButTTFTBad":
+            assert re.search(r"Now: P99 TTFT [0-9.]+s\.$", ann["description"]), ann["description"]
         assert ann["runbook_url"].split("#", 1)[1] in anchors
         assert f"var-instance={a['labels']['instance']}" in ann["dashboard_url"].replace("%3A", ":")
 

@@ -111,7 +111,9 @@ def test_six_alerts_with_severities_annotations_and_for() -> None:
         ann = r["annotations"]
         assert set(ann) == {"summary", "description", "runbook_url", "dashboard_url"}, r["alert"]
         assert ann["summary"].endswith(".")
-        assert "{{" in ann["description"] and "query" in ann["description"]
+        assert "{{ $labels.instance }}" in ann["description"]
+        assert "query" not in ann["description"]  # figures from the alert's own value, no query per alert
+        assert ("{{ $value" in ann["description"]) == (r["alert"] != "KvdiagEngineMetricsAbsent")
         assert re.fullmatch(r"\d+m", r["for"])
         assert "://" not in ann["runbook_url"] + ann["dashboard_url"]  # no host names baked in
     absent = next(r for r in rules if r["alert"] == "KvdiagEngineMetricsAbsent")
@@ -187,3 +189,25 @@ def test_for_overrides_reach_every_rendering_and_default_to_the_committed_ones()
         with pytest.raises(ValueError):
             for_durations([bad])
     assert main(["render", "--out", "/nonexistent", "--check", "--for", "page=1m"]) == 3
+
+
+def test_interval_reaches_every_group_and_the_growth_checks_history() -> None:
+    """Every group carries the interval it is rendered for; a growth check is known where the
+    queue series reaches back (min_samples - 1) intervals, so the offset follows the interval."""
+    for interval, back in ((15.0, "30s"), (5.0, "10s")):
+        files = render_all(interval=interval)
+        groups = [g for p in (RULES_RECORDING, RULES_ALERTS) for g in yaml.safe_load(files[p])["groups"]]
+        assert {g["interval"] for g in groups} == {f"{interval:g}s"}
+        queue = next(r["expr"] for g in groups for r in g.get("rules", [])
+                     if r.get("labels", {}).get("check") == "queue_growing")
+        assert f"offset {back})" in queue and "count_over_time" not in queue
+    assert main(["render", "--out", "/nonexistent", "--check", "--interval", "3m"]) == 3  # 2 x 3m leave no window
+
+
+def test_no_rule_takes_a_subquery_or_a_window_over_an_engine_series() -> None:
+    for g in _yaml(RULES_RECORDING)["groups"] + _yaml(RULES_ALERTS)["groups"]:
+        for r in g["rules"]:
+            assert not re.search(r"\[[0-9]+[smh]:[0-9]*[smh]?\]", r["expr"]), r.get("record", r.get("alert"))
+            windows = re.findall(r"([a-zA-Z0-9_:]*)(\{[^{}]*\})?\[[0-9]+[smh]\]", r["expr"])
+            # every window is over a recorded series (level:metric:operations), never a __name__ selector
+            assert all(name.count(":") == 2 and "__name__" not in braces for name, braces in windows), (r.get("record"), windows)
