@@ -76,15 +76,22 @@ def read(path: Path, t0: float, t1: float) -> Steps:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         text = ""
-    for lineno, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            t, kv, cap, evicted, running, waiting, usage = json.loads(line)
+            row = json.loads(line)
+        except ValueError:
+            if lineno == len(lines):
+                break  # the engine was writing its last line when the file was read
+            raise TruthError(f"{path}:{lineno}: not a truth line (not JSON)") from None
+        if isinstance(row, list) and row[:1] == ["error"]:
+            raise TruthError(f"{path}:{lineno}: the truth hook failed in the engine: {row[1:]}")
+        try:
+            t, kv, cap, evicted, running, waiting, usage = row
             rows.append((float(t), bool(kv), str(cap), int(evicted), int(running), int(waiting), float(usage)))
         except (ValueError, TypeError) as exc:
-            if lineno == len(text.splitlines()):
-                break  # the engine was writing its last line when the file was read
             raise TruthError(f"{path}:{lineno}: not a truth line ({exc})") from None
     rows = [r for r in rows if t0 <= r[0] < t1]
     start = np.array([r[0] for r in rows], dtype=float) - t0

@@ -61,6 +61,12 @@ def test_a_bad_line_is_an_error_but_a_half_written_last_line_is_not(tmp_path: Pa
     with pytest.raises(TruthError, match=r"t.jsonl:1: not a truth line"):
         read(f, T0, T0 + 10)
     assert len(read(tmp_path / "absent.jsonl", T0, T0 + 10)) == 0
+    f.write_text(json.dumps([T0, 1, "", 0, 1, 1, 0.9]) + "\n" + json.dumps(["error", "AttributeError: x"]) + "\n")
+    with pytest.raises(TruthError, match=r"t.jsonl:2: the truth hook failed in the engine: .*AttributeError: x"):
+        read(f, T0, T0 + 10)
+    f.write_text(json.dumps([T0, 1, "", 0]) + "\n\n")
+    with pytest.raises(TruthError, match=r"t.jsonl:1: not a truth line \(not enough values"):
+        read(f, T0, T0 + 10)
 
 
 def test_the_environment_is_keyed_by_its_pinned_requirements() -> None:

@@ -42,13 +42,23 @@ class _Recorder:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fh: Any = None
+        self.failed = False
+
+    def fail(self, exc: BaseException) -> None:
+        """The hook could not read what it needed: say so once (``["error", ...]``, which the
+        reader refuses) and stop recording; the engine goes on untouched."""
+        if not self.failed:
+            self.failed = True
+            self._line(["error", f"{type(exc).__name__}: {exc}"])
 
     def write(self, t: float, kv: bool, cap: str, evicted: int, running: int, waiting: int, usage: float) -> None:
-        if not (running or waiting or evicted):
-            return
+        if (running or waiting or evicted) and not self.failed:
+            self._line([round(t, 4), int(kv), cap, evicted, running, waiting, round(usage, 4)])
+
+    def _line(self, row: list[Any]) -> None:
         if self._fh is None:
             self._fh = open(self.path, "a", buffering=1, encoding="utf-8")  # one line per write
-        self._fh.write(json.dumps([round(t, 4), int(kv), cap, evicted, running, waiting, round(usage, 4)]) + "\n")
+        self._fh.write(json.dumps(row) + "\n")
 
 
 class _Step:
@@ -67,6 +77,17 @@ _current: list[_Step] = []  # the step being scheduled (the scheduler runs one a
 
 def _step() -> _Step | None:
     return _current[-1] if _current else None
+
+
+def _in_step(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> tuple[_Step, Any]:
+    """One scheduling step: ``original`` runs with a fresh step current, for the hooks inside
+    it to note what they see."""
+    step = _Step()
+    _current.append(step)
+    try:
+        return step, original(self, *args, **kwargs)
+    finally:
+        _current.pop()
 
 
 def _wrap(cls: type, name: str, around: Callable[..., Any]) -> None:
@@ -99,21 +120,19 @@ def _hook_vllm(module: Any) -> None:
         return original(self, *args, **kwargs)
 
     def schedule(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-        step = _Step()
-        _current.append(step)
+        step, out = _in_step(original, self, *args, **kwargs)
         try:
-            out = original(self, *args, **kwargs)
-        finally:
-            _current.pop()
-        running, waiting = self.get_request_counts()
-        if waiting and not step.kv and not step.evicted:
-            if len(self.running) >= self.max_num_active_reqs:
-                step.cap = "seqs"
-            elif out.total_num_scheduled_tokens >= self.max_num_scheduled_tokens:
-                step.cap = "budget"
-            else:
-                step.cap = "other"
-        RECORDER.write(step.t, step.kv, step.cap, step.evicted, running, waiting, self.kv_cache_manager.usage)
+            running, waiting = self.get_request_counts()
+            if waiting and not step.kv and not step.evicted:
+                if len(self.running) >= self.max_num_active_reqs:
+                    step.cap = "seqs"
+                elif out.total_num_scheduled_tokens >= self.max_num_scheduled_tokens:
+                    step.cap = "budget"
+                else:
+                    step.cap = "other"
+            RECORDER.write(step.t, step.kv, step.cap, step.evicted, running, waiting, self.kv_cache_manager.usage)
+        except Exception as exc:  # noqa: BLE001 (observe, never break the engine)
+            RECORDER.fail(exc)
         return out
 
     _wrap(KVCacheManager, "allocate_slots", allocate_slots)
@@ -177,26 +196,24 @@ def _hook_sglang(module: Any) -> None:
         return plan
 
     def next_batch(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-        step = _Step()
-        _current.append(step)
+        step, plan = _in_step(original, self, *args, **kwargs)
         try:
-            plan = original(self, *args, **kwargs)
-        finally:
-            _current.pop()
-        batch = plan.batch_to_run
-        running = len(plan.running_batch.reqs)
-        if batch is not None and batch is not plan.running_batch:
-            running += len(batch.reqs)  # a prefill batch, merged into the running batch next step
-        waiting = len(self.waiting_queue)
-        if not waiting:
-            step.kv, step.cap = False, ""
-        elif step.kv:
-            step.cap = ""
-        elif not step.cap:
-            step.cap = "other"
-        total = self.max_total_num_tokens
-        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
-        RECORDER.write(step.t, step.kv, step.cap, step.evicted, running, waiting, 1.0 - free / total if total else 0.0)
+            batch = plan.batch_to_run
+            running = len(plan.running_batch.reqs)
+            if batch is not None and batch is not plan.running_batch:
+                running += len(batch.reqs)  # a prefill batch, merged into the running batch next step
+            waiting = len(self.waiting_queue)
+            if not waiting:
+                step.kv, step.cap = False, ""
+            elif step.kv:
+                step.cap = ""
+            elif not step.cap:
+                step.cap = "other"
+            total = self.max_total_num_tokens
+            free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+            RECORDER.write(step.t, step.kv, step.cap, step.evicted, running, waiting, 1.0 - free / total if total else 0.0)
+        except Exception as exc:  # noqa: BLE001 (observe, never break the engine)
+            RECORDER.fail(exc)
         return plan
 
     _wrap(PrefillAdder, "add_one_req", add_one_req)
