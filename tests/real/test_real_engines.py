@@ -153,14 +153,14 @@ def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
             live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", vllm.url, "--interval", "5s", "--duration", "30s",
                                    "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
             (inst,) = json.loads(live.stdout)["instances"]
-            assert inst["engine"] == "vllm" and inst["instance"] == vllm.url
+            assert inst["engine"] == "vllm" and inst["instance"] == f"{vllm.url} engine=0"  # vLLM's engine label
             assert inst["verdict"] in L1_VERDICTS or inst["verdict"] == "queue_without_kv_pressure", inst["verdict"]
             if CHROMIUM is not None:
                 dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
                                       "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
                 rows = dict(re.findall(r'<tr data-instance="([^"]+)">(.*?)</tr>', dom, re.S))
-                assert vllm.url in rows, dom[-3000:]
-                assert re.search(r"l1_kv_(bottleneck|pressure)", rows[vllm.url]), rows[vllm.url]
+                assert inst["instance"] in rows, dom[-3000:]
+                assert re.search(r"l1_kv_(bottleneck|pressure)", rows[inst["instance"]]), rows[inst["instance"]]
             elif os.environ.get("CI", "").lower() == "true":
                 pytest.fail("chromium is not installed (scripts/system-deps.sh)")
     finally:
