@@ -38,7 +38,7 @@ def run_real(args: argparse.Namespace, console: Console) -> int:
         built = (envs.location(engine) / ".stamp").exists()
         console.print(f"  {engine}: {envs.SIZES[engine]}, in {envs.location(engine)}" + (" (built)" if built else " (to build now)"),
                       highlight=False, soft_wrap=True)  # fmt: skip
-    console.print("  each server: 40-170 s to start; both run at once, with the load, on every core", highlight=False)
+    console.print("  each server takes 1-4 minutes to start (more on a busy machine); both run at once, with the load, on every core", highlight=False)
     for engine in envs.ENGINES:
         envs.build(engine)
     load = OpenLoop((story.load.phases[0], Phase(duration, story.load.phases[1].rate)))
