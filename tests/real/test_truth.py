@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,20 @@ def test_validate_keeps_real_and_simulated_stories_apart(capsys: pytest.CaptureF
     assert "not a real story" in capsys.readouterr().err
     assert main(["validate", "--scenario", CI_STORY]) == 3
     assert "a real story (use --real)" in capsys.readouterr().err
+
+
+def test_the_engine_side_import_hook_runs_after_its_module_and_leaves_others_alone() -> None:
+    """sitecustomize's finder (what installs the truth hook in an engine's processes): the
+    callback sees the module once it has executed; other imports are untouched."""
+    from kvdiag.real.engines import SITE
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import sitecustomize as s\n"
+        "h = s._Hooks(); seen = []\n"
+        "h.after['json.decoder'] = lambda m: seen.append((m.__name__, hasattr(m, 'JSONDecoder')))\n"
+        "sys.meta_path.insert(0, h); import json, csv\n"
+        "print(seen, 'json.decoder' in h.after, csv.__name__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KVDIAG_TRUTH_FILE"}
+    out = subprocess.run([sys.executable, "-c", code, str(SITE)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "[('json.decoder', True)] False csv", out.stderr
