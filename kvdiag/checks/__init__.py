@@ -59,9 +59,13 @@ def diagnose(window: Window, config: Config) -> Diagnosis:
     found = findings(verdict, checks)
     figs = figures(window, config)
     hints = [checks[c].hint for c in SIGNAL_CHECKS if checks[c].status == "unknown" and checks[c].hint]
-    if verdict.name == "unknown" and hints:
+    # a pool verdict the known signals settled while one is unknown also says how to get it
+    settled = VERDICTS[verdict.name].names_pool and any(checks[c].status == "unknown" for c in SIGNAL_CHECKS)
+    if (verdict.name == "unknown" or settled) and hints:
         figs["unknown_hints"] = "; ".join(dict.fromkeys(hints))
     names = list(VERDICTS[verdict.name].remedies) + [r for f in found for r in FINDINGS[f.name].remedies]
+    if settled and hints:
+        names.append("decide_unknown")
     last = window.last
     return Diagnosis(
         instance=window.instance,
