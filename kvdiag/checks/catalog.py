@@ -268,10 +268,10 @@ VERDICTS = {
     for v in (
         VerdictSpec("l1_kv_bottleneck", "critical", 2, "KvdiagL1KVPoolBottleneck",
                     "The GPU KV pool (L1) caps concurrency; queueing and recompute drive TTFT up.",
-                    ("ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99"), names_pool=True),
+                    ("output_reserve", "ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99"), names_pool=True),
         VerdictSpec("l1_kv_pressure", "warning", 1, "KvdiagL1KVPoolPressure",
                     "The GPU KV pool (L1) is under pressure: two of the three bottleneck signals.",
-                    ("ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99"), names_pool=True),
+                    ("output_reserve", "ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99"), names_pool=True),
         VerdictSpec("near_kv_capacity", "info", 0, "KvdiagKVPoolNearCapacity",
                     "The KV pool is pinned near full but not yet limiting.",
                     ("ceiling", "fp8_kv"), names_pool=True),
@@ -307,6 +307,17 @@ FINDINGS = {
 REMEDIES = {
     r.name: r
     for r in (
+        RemedySpec("output_reserve",
+                   "Admission is refused by the output reserve, not by what requests hold: the usage gauge reads "
+                   "{reserve_usage:.2f} while {reserve_running:,} running requests, each reserved its whole remaining output "
+                   "(the engine exports a reserve ratio of {reserve_ratio:.3g}, the floor of what it reserves: a request "
+                   "with ignore_eos is reserved at 1, and one whose max_tokens exceeds its answer on what it asked for), "
+                   "hold about {reserve_tokens:,} more tokens ({reserve_share:.0%} of the pool). Finished requests got "
+                   "{reserve_output:,.0f} output tokens each: clients' max_tokens closer to that frees the reserve. "
+                   "{reserve_scale} below 1 scales the reserve ratio down and {reserve_clip}=N caps the output charged "
+                   "per request (at 64 a real SGLang filled its pool to 0.99-1.00): both admit more and both risk "
+                   "retracting and recomputing running requests when their outputs do run long.",
+                   ""),
         RemedySpec("ceiling",
                    "Concurrency ceiling: ({pool_tokens:,} pool tokens - {shared_tokens:,} shared prefix tokens, held once) / "
                    "{private_len:,} private tokens per request (uncached input + output) = {ceiling:,} requests at their "

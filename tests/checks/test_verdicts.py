@@ -451,12 +451,20 @@ def test_reserve_blocked_admission_is_l1_where_the_gauge_never_pins() -> None:
     assert "the reserve can be what refuses admission" in s.evidence.summary
     assert d.verdict.name == "l1_kv_pressure", d.verdict.reason
     assert "p99_high_without_kv_pressure" not in findings(d)
+    (text,) = [r for r in d.remedies if "output reserve" in r]
+    # 3 running x 500 output x (1 - 0.098) = 1,353 tokens beyond the need, 17 % of 8,000
+    assert "reserve ratio of 0.098" in text and "1,353 more tokens (17% of the pool)" in text and "0.70" in text
+    assert "--schedule-conservativeness" in text and "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=N" in text
+    assert "500 output tokens each" in text and "retracting" in text
 
 
 def test_reserve_branch_needs_a_standing_queue_and_a_reserving_engine() -> None:
     quiet = run("sglang", **{**RESERVE_BLOCKED, "waiting": const(0)})
     assert quiet.checks["kv_usage_saturated"].status == "ok" and quiet.verdict.name == "healthy"
     assert quiet.checks["kv_usage_saturated"].evidence.values["reserve_blocked"] is False
+    assert not any("output reserve" in r for r in quiet.remedies)
+    pinned = run("sglang", **{**RESERVE_BLOCKED, "usage": const(0.97)})  # a pinned pool: the reserve is not the story
+    assert pinned.verdict.name == "l1_kv_pressure" and not any("output reserve" in r for r in pinned.remedies)
     vllm = run("vllm", **RESERVE_BLOCKED)  # vLLM reserves no output: its queue beside room is not the pool
     assert vllm.checks["kv_usage_saturated"].evidence.values["reserve_gap_last"] is None
     assert vllm.verdict.name == "queue_without_kv_pressure"
