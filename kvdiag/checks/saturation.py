@@ -28,7 +28,7 @@ evictable / available split.
   running / capacity``). The exported ratio is the floor of what the engine reserves, not what
   it reserves: a request that ignores EOS is reserved at 1 whatever the ratio, and one whose
   client asks for far more tokens than it gets is reserved on what it asked for, which no
-  metric exports. Real SGLang at its defaults (outputs of hundreds of tokens run to their
+  metric exports. A real engine of this kind at its defaults (outputs of hundreds of tokens run to their
   length, a 2,048-token pool) ran 2-3 of 16 requests with 21-22 waiting and its usage gauge at
   0.42-0.81: the reserve refused admission while the gauge never pinned.
 

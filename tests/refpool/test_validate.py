@@ -86,7 +86,7 @@ def test_every_scenario_tells_its_story_and_every_verdict_is_right(report: Repor
         told = r.expected in L1_VERDICTS if intent in L1_VERDICTS else r.expected == intent
         assert told, (r.name, r.engine, intent, r.truth)
     wrong = [(r.name, r.engine, r.expected, r.verdict) for r in report.results if not r.correct]
-    assert not wrong and report.correct == len(report.results) == 30
+    assert not wrong and report.correct == len(report.results) == 34
 
 
 def test_every_scored_instant_is_right(report: Report) -> None:
