@@ -111,7 +111,9 @@ def test_every_remedy_renders_with_and_without_figures(engine: str) -> None:
 
     knobs = asdict(engines.knobs(engine))
     figs = dict(pool_tokens=1, shared_tokens=1, private_len=1, ceiling=1, running_peak=1, running_note="; x", limit=1,
-                limit_reason="x", fp8_pool_tokens=1, fp8_ceiling=1, double_ceiling=1, unknown_hints="x")
+                limit_reason="x", fp8_pool_tokens=1, fp8_ceiling=1, double_ceiling=1, unknown_hints="x",
+                reserve_usage=0.7, reserve_running=3, reserve_ratio=0.098, reserve_tokens=1, reserve_share=0.1,
+                reserve_output=400.0)
     for r in catalog.REMEDIES.values():
         assert "{" not in r.text.format(**figs, **knobs, enable_hint="h")
         assert "{" not in r.plain.format(**knobs, enable_hint="h")
@@ -132,7 +134,8 @@ def test_series_names_follow_the_recording_rule_convention() -> None:
         level, metric, ops = name.split(":")
         assert level == "instance" and metric.startswith("kvdiag_") and ops
         assert s.field in {"usage_ratio", "waiting", "running", "evictions_total", "ttft", "prefix_hit_tokens_total", "l2_used_tokens", "l2_hit_tokens_total",
-                           "l2_load_bytes_total", "l2_store_bytes_total"}
+                           "l2_load_bytes_total", "l2_store_bytes_total", "capacity_tokens", "decode_reserve_ratio",
+                           "generation_tokens_total"}
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
