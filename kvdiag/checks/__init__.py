@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 from kvdiag.checks import evictions, l2, latency, prefix, queue, saturation
 from kvdiag.checks.base import recent
 from kvdiag.checks.catalog import CHECKS, EXIT_ORDER, FINDINGS, SIGNALS, VERDICTS
-from kvdiag.checks.remedies import figures, remedies
+from kvdiag.checks.remedies import figures, remedies, reserve_figures
 from kvdiag.checks.verdict import decide, findings
 from kvdiag.config import Config
 from kvdiag.model import CheckResult, Diagnosis, Evidence, Verdict
@@ -58,10 +58,15 @@ def diagnose(window: Window, config: Config) -> Diagnosis:
     verdict = decide(checks, config)
     found = findings(verdict, checks)
     figs = figures(window, config)
+    figs.update(reserve_figures(checks[SIGNALS["S"]], window))
     hints = [checks[c].hint for c in SIGNAL_CHECKS if checks[c].status == "unknown" and checks[c].hint]
-    if verdict.name == "unknown" and hints:
+    # a pool verdict the known signals settled while one is unknown also says how to get it
+    settled = VERDICTS[verdict.name].names_pool and any(checks[c].status == "unknown" for c in SIGNAL_CHECKS)
+    if (verdict.name == "unknown" or settled) and hints:
         figs["unknown_hints"] = "; ".join(dict.fromkeys(hints))
     names = list(VERDICTS[verdict.name].remedies) + [r for f in found for r in FINDINGS[f.name].remedies]
+    if settled and hints:
+        names.append("decide_unknown")
     last = window.last
     return Diagnosis(
         instance=window.instance,

@@ -79,6 +79,7 @@ class VerdictSpec:
     alert: str | None  # Prometheus alert name; None for healthy
     summary: str
     remedies: tuple[str, ...]
+    names_pool: bool = False  # the verdict says the KV pool is at or near its limit
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,10 @@ SERIES = {
                "requests in the waiting queues (the scheduler's, plus a disaggregated role's bootstrap / prealloc / "
                "transfer queues; requests deferred for their KV included); max over TP ranks"),
         Series("instance:kvdiag_running:requests", "running", "running requests; max over TP ranks"),
+        Series("instance:kvdiag_kv_capacity:tokens", "capacity_tokens", "KV pool (L1) capacity in tokens"),
+        Series("instance:kvdiag_decode_reserve:ratio", "decode_reserve_ratio",
+               "share of running requests' remaining output that admission holds back, where reported"),
+        Series("instance:kvdiag_output_tokens:avg{window}", "generation_tokens_total", "output tokens per finished request"),
         Series("instance:kvdiag_evictions:rate{window}", "evictions_total", "retract/preempt per second: rate() of the counter, never the last-event gauge"),
         Series("instance:kvdiag_evictions:rate{evictions_recent_window}", "evictions_total",
                "retract/preempt per second over the recent span the eviction check fires on"),
@@ -143,26 +148,35 @@ CHECKS = (
         "KV pool pinned near full, as admission counts it",
         "usage + the room the next admission needs >= {saturated_usage}: at every sample of the last "
         "{saturated_short_window} (short window), or in >= {saturated_fraction} of the {window} window "
-        "(its 1 - saturated_fraction quantile) and at its end (long window)",
-        ("window", "saturated_usage", "saturated_fraction", "saturated_short_window"),
+        "(its 1 - saturated_fraction quantile) and at its end (long window), or, on an engine that reserves output, "
+        "with the queue >= {queue_min_growth} at every sample of the last {saturated_short_window} and every running "
+        "request reserved its whole remaining output (reserve ratio 1) (reserve)",
+        ("window", "saturated_usage", "saturated_fraction", "saturated_short_window", "queue_min_growth"),
         ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
          "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total",
-         "waiting_deferred"),
+         "waiting_deferred", "waiting"),
         False,
         "min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}])"
         " + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage}"
         " or (quantile_over_time({saturated_quantile}, instance:kvdiag_kv_usage:ratio[{window}])"
         " + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage}"
-        " and instance:kvdiag_kv_usage:ratio + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage})",
+        " and instance:kvdiag_kv_usage:ratio + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage})"
+        " or (min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}]) + instance:kvdiag_kv_admission_need:ratio{window}"
+        " + (1 - instance:kvdiag_decode_reserve:ratio) * instance:kvdiag_output_tokens:avg{window}"
+        " * instance:kvdiag_running:requests / instance:kvdiag_kv_capacity:tokens >= {saturated_usage}"
+        " and min_over_time(instance:kvdiag_waiting:requests[{saturated_short_window}]) >= {queue_min_growth})",
     ),
     CheckSpec(
         "queue_growing",
         "Q",
         "waiting queue growing",
         "waiting > 0 and either it stands >= max({queue_min_growth}, {queue_growth_ratio} x running) above its "
-        "minimum of the last {queue_short_window} with a positive least-squares slope over {window}, or it is "
-        ">= max({queue_min_growth}, {backlog_ratio} x running) with a slope >= 0 over {queue_short_window} "
-        "(a backlog not draining)",
+        "minimum of the last {queue_short_window} with a positive least-squares slope over {window}, or that much "
+        "above its minimum of the {window} window with a positive slope over {window} and a slope >= 0 over "
+        "{queue_short_window} (slow, steady growth), or it is >= max({queue_min_growth}, {backlog_ratio} x running) "
+        "with a slope >= 0 over {queue_short_window} (a backlog not draining), or it stayed >= max({queue_min_growth}, "
+        "{queue_growth_ratio} x running) at every sample of the last {queue_short_window} (a standing backlog: a "
+        "closed loop's queue stands, it cannot grow)",
         ("window", "queue_short_window", "queue_min_growth", "queue_growth_ratio", "backlog_ratio", "min_samples"),
         ("waiting", "running", "waiting_capacity", "waiting_deferred", "transfers_in_flight", "admission_rejections_total"),
         True,
@@ -170,8 +184,14 @@ CHECKS = (
         "(instance:kvdiag_waiting:requests - min_over_time(instance:kvdiag_waiting:requests[{queue_short_window}])"
         " >= clamp_min({queue_growth_ratio} * instance:kvdiag_running:requests, {queue_min_growth})"
         " and deriv(instance:kvdiag_waiting:requests[{window}]) > 0)"
+        " or (instance:kvdiag_waiting:requests - min_over_time(instance:kvdiag_waiting:requests[{window}])"
+        " >= clamp_min({queue_growth_ratio} * instance:kvdiag_running:requests, {queue_min_growth})"
+        " and deriv(instance:kvdiag_waiting:requests[{window}]) > 0"
+        " and deriv(instance:kvdiag_waiting:requests[{queue_short_window}]) >= 0)"
         " or (instance:kvdiag_waiting:requests >= clamp_min({backlog_ratio} * instance:kvdiag_running:requests, {queue_min_growth})"
-        " and deriv(instance:kvdiag_waiting:requests[{queue_short_window}]) >= 0))",
+        " and deriv(instance:kvdiag_waiting:requests[{queue_short_window}]) >= 0)"
+        " or min_over_time(instance:kvdiag_waiting:requests[{queue_short_window}])"
+        " >= clamp_min({queue_growth_ratio} * instance:kvdiag_running:requests, {queue_min_growth}))",
     ),
     CheckSpec(
         "evictions_growing",
@@ -248,13 +268,13 @@ VERDICTS = {
     for v in (
         VerdictSpec("l1_kv_bottleneck", "critical", 2, "KvdiagL1KVPoolBottleneck",
                     "The GPU KV pool (L1) caps concurrency; queueing and recompute drive TTFT up.",
-                    ("ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99")),
+                    ("output_reserve", "ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99"), names_pool=True),
         VerdictSpec("l1_kv_pressure", "warning", 1, "KvdiagL1KVPoolPressure",
                     "The GPU KV pool (L1) is under pressure: two of the three bottleneck signals.",
-                    ("ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99")),
+                    ("output_reserve", "ceiling", "admission_limit", "fp8_kv", "more_l1", "l2_not_p99"), names_pool=True),
         VerdictSpec("near_kv_capacity", "info", 0, "KvdiagKVPoolNearCapacity",
                     "The KV pool is pinned near full but not yet limiting.",
-                    ("ceiling", "fp8_kv")),
+                    ("ceiling", "fp8_kv"), names_pool=True),
         VerdictSpec("queue_without_kv_pressure", "warning", 1, "KvdiagQueueWithoutKVPressure",
                     "Requests queue while the KV pool has room: something other than L1 caps concurrency.",
                     ("ceiling", "raise_admission")),
@@ -287,6 +307,17 @@ FINDINGS = {
 REMEDIES = {
     r.name: r
     for r in (
+        RemedySpec("output_reserve",
+                   "Admission is refused by the output reserve, not by what requests hold: the usage gauge reads "
+                   "{reserve_usage:.2f} while {reserve_running:,} running requests, each reserved its whole remaining output "
+                   "(the engine exports a reserve ratio of {reserve_ratio:.3g}, the floor of what it reserves: a request "
+                   "with ignore_eos is reserved at 1, and one whose max_tokens exceeds its answer on what it asked for), "
+                   "hold about {reserve_tokens:,} more tokens ({reserve_share:.0%} of the pool). Finished requests got "
+                   "{reserve_output:,.0f} output tokens each: clients' max_tokens closer to that frees the reserve. "
+                   "{reserve_scale} below 1 scales the reserve ratio down and {reserve_clip}=N caps the output charged "
+                   "per request (set to 64, a real engine over-committed its pool to 0.99-1.00): both admit more and both risk "
+                   "retracting and recomputing running requests when their outputs do run long.",
+                   ""),
         RemedySpec("ceiling",
                    "Concurrency ceiling: ({pool_tokens:,} pool tokens - {shared_tokens:,} shared prefix tokens, held once) / "
                    "{private_len:,} private tokens per request (uncached input + output) = {ceiling:,} requests at their "

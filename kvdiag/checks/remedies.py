@@ -39,6 +39,7 @@ from kvdiag import engines
 from kvdiag.checks.base import hit_ratio, per_request, recent
 from kvdiag.checks.catalog import REMEDIES
 from kvdiag.config import Config
+from kvdiag.model import CheckResult
 from kvdiag.window import Window, counter_increase, counter_steps
 
 Figures = dict[str, float | int | str | None]
@@ -190,6 +191,28 @@ def figures(window: Window, config: Config) -> Figures:
         "fp8_pool_tokens": int(cap * 2) if cap else None,
         "fp8_ceiling": ceiling(2 * cap, fp) if cap and fp else None,
         "double_ceiling": ceiling(2 * cap, fp) if cap and fp else None,
+    }
+
+
+def reserve_figures(saturated: CheckResult, window: Window) -> Figures:
+    """Where the saturation check fired on the output reserve alone (its ``reserve`` branch),
+    what the reserve holds: the tokens beyond the need if every running request were reserved
+    its whole remaining output, their share of the pool, the usage gauge and the ratio the
+    engine exports; empty otherwise (the ``output_reserve`` remedy is then left out)."""
+    v = saturated.evidence.values
+    cap = window.last.capacity_tokens
+    gap = v.get("reserve_gap_last")
+    if not v.get("reserve_blocked") or v.get("short_window_pinned") or v.get("long_window_pinned"):
+        return {}
+    if not isinstance(gap, float) or not cap or window.last.running is None:
+        return {}
+    return {
+        "reserve_tokens": int(round(gap * cap)),
+        "reserve_share": gap,
+        "reserve_usage": v.get("usage_last"),
+        "reserve_running": int(window.last.running),
+        "reserve_ratio": v.get("reserve_ratio_last"),
+        "reserve_output": v.get("output_per_request"),
     }
 
 

@@ -21,18 +21,33 @@ runs out of the fullest first; the engine's usage gauge is already the largest o
 check is the same, and the evidence names the binding pool beside the others and shows its
 evictable / available split.
 
-Either fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
+- **reserve** (an engine whose admission reserves output, i.e. that reports a reserve ratio):
+  the queue stood at ``queue_min_growth`` or more at every sample of ``saturated_short_window``
+  (admission is refusing), and the least usage over that span + need reaches ``saturated_usage`` once every running
+  request is charged its whole remaining output (``reserve_gap``: ``(1 - ratio) x output x
+  running / capacity``). The exported ratio is the floor of what the engine reserves, not what
+  it reserves: a request that ignores EOS is reserved at 1 whatever the ratio, and one whose
+  client asks for far more tokens than it gets is reserved on what it asked for, which no
+  metric exports. A real engine of this kind at its defaults (outputs of hundreds of tokens run to their
+  length, a 2,048-token pool) ran 2-3 of 16 requests with 21-22 waiting and its usage gauge at
+  0.42-0.81: the reserve refused admission while the gauge never pinned.
+
+Any fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
 ``instance:kvdiag_kv_admission_need:ratio5m``::
 
     min_over_time(usage[20s]) + need >= 0.95
     or (quantile_over_time(0.2, usage[5m]) + need >= 0.95 and usage + need >= 0.95)
+    or (min_over_time(waiting[20s]) >= 5
+        and min_over_time(usage[20s]) + need + (1 - reserve_ratio) * output_per_request * running / capacity >= 0.95)
 """
 
 from __future__ import annotations
 
+import math
+
 from kvdiag.checks import stats
-from kvdiag.checks.admission import admission_usage
-from kvdiag.checks.base import absent, result
+from kvdiag.checks.admission import AdmissionUsage, admission_usage
+from kvdiag.checks.base import absent, result, span
 from kvdiag.config import Config
 from kvdiag.model import CheckResult
 from kvdiag.window import Window
@@ -58,6 +73,8 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     last = float(usage[-1])
     fast = short_min + adm.need_ratio >= u
     slow = long_q + adm.need_ratio >= u and last + adm.need_ratio >= u
+    gap, standing = reserve_gap(window, config, adm), queue_standing(window, config)
+    reserved = gap is not None and standing and short_min + adm.need_ratio + gap >= u
     share = float((usage + adm.need_ratio >= u).mean())
     values = {
         "admission_usage_last": adm.admission,
@@ -77,24 +94,67 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "share_at_or_above": share,
         "short_window_pinned": fast,
         "long_window_pinned": slow,
+        "reserve_gap_last": gap,
+        "queue_standing": standing,
+        "reserve_blocked": reserved,
         "threshold": u,
         "required_share": config.saturated_fraction,
         "granularity": window.last.usage_granularity,
     }
     point = " (one sample: a point-in-time reading)" if len(usage) == 1 else ""
     summary = (
-        f"admission usage {adm.admission:.2f} now{point}; usage + need >= {u:g} at every sample of the last "
-        f"{config.saturated_short_window:g}s: {'yes' if fast else 'no'} (min {short_min + adm.need_ratio:.2f}), in "
+        f"admission usage {against(adm.admission, u)} now{point}; usage + need >= {u:g} at every sample of the last "
+        f"{config.saturated_short_window:g}s: {'yes' if fast else 'no'} (min {against(short_min + adm.need_ratio, u)}), in "
         f"{share:.0%} of the {config.window:g}s window ({config.saturated_fraction:.0%} needed)"
     )
     if adm.need_tokens > 0:
         summary += f" (usage gauge {last:.2f} + {adm.need_tokens:,.0f} tokens the next admission needs)"
-    if not (fast or slow) and adm.admission >= u:
-        summary += "; a spike at the end, not a pinned pool"
+    earlier = (usage + adm.need_ratio >= u) & ~stats.select(ts, float(ts[-1]), config.saturated_short_window)
+    values["reached_before_short_window"] = bool(earlier.any())
+    if gap is not None and standing:
+        at_full = short_min + adm.need_ratio + gap
+        summary += (f"; the queue stood >= {config.queue_min_growth:g} over the last {config.saturated_short_window:g}s while "
+                    f"the engine reserves output: usage (its least over that span) + need with every running request reserved its whole remaining "
+                    f"output (ratio 1, not {adm.reserve_ratio:.3g}) is {against(at_full, u)}"
+                    + (": the reserve can be what refuses admission" if reserved else ""))
+    if not (fast or slow or reserved) and adm.admission >= u:
+        summary += ("; a spike at the end, not a pinned pool" if not earlier.any() else
+                    f"; at {u:g} now and at times before, below it in {1 - share:.0%} of the window: the gauge "
+                    "saw-tooths (each eviction frees its victim's KV at once), it is not pinned")
     values.update(pool_values(window))
     if values["pools"]:
         summary += f"; {values['pools']}"
-    return result(NAME, fast or slow, ts, values, summary)
+    return result(NAME, fast or slow or reserved, ts, values, summary)
+
+
+def reserve_gap(window: Window, config: Config, adm: AdmissionUsage) -> float | None:
+    """What admission would count beyond ``need`` if every running request were reserved its
+    whole remaining output: ``(1 - ratio) x output x running / capacity`` (module docstring);
+    None on an engine that reserves no output, or where an input is missing."""
+    last = window.last
+    ratio, output, running, capacity = adm.reserve_ratio, adm.output_per_request, last.running, last.capacity_tokens
+    if ratio is None or output is None or running is None or not capacity:
+        return None
+    return (1 - ratio) * output * running / capacity
+
+
+def queue_standing(window: Window, config: Config) -> bool:
+    """The queue held ``queue_min_growth`` or more at every sample of ``saturated_short_window``."""
+    ts, waiting = span(window, config, "waiting")
+    if len(waiting) == 0:
+        return False
+    short = stats.select(ts, window.end, config.saturated_short_window)
+    return bool(short.any()) and float(waiting[short].min()) >= config.queue_min_growth
+
+
+def against(value: float, threshold: float) -> str:
+    """``value`` with two decimals, or as many more as it takes to show which side of
+    ``threshold`` it is on (0.949 against 0.95 is not "0.95")."""
+    for digits in (2, 3, 4):
+        text = f"{value:.{digits}f}"
+        if (float(text) >= threshold) == (value >= threshold):
+            return text
+    return f"{math.floor(value * 1000) / 1000:.3f}"  # just below: cut, never round up to it
 
 
 def pool_values(window: Window) -> dict[str, float | str | None]:

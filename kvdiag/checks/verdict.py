@@ -3,7 +3,11 @@
 Each capacity signal (S, Q, E) is firing, ok or unknown. The verdict is the table's row when
 all three are known. When some are unknown, every way of filling them in is tried: if all give
 the same verdict that is the answer (an idle engine without an eviction counter is still
-healthy), otherwise the verdict is ``unknown`` and says which signal would decide it.
+healthy). If they differ but every one of them names the pool (``VerdictSpec.names_pool``: a
+pinned pool with its eviction counter missing is near capacity or under pressure), the known
+signals already settle that the pool is the answer: the verdict is the least of them, the
+unknown signals read as not firing, and the reason says what they could raise it to. Otherwise
+the verdict is ``unknown`` and says which signal would decide it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from itertools import product
 from typing import Mapping
 
-from kvdiag.checks.catalog import FINDINGS, SIGNALS, VERDICTS, verdict_for
+from kvdiag.checks.catalog import FINDINGS, SIGNALS, VERDICTS, Row, verdict_for
 from kvdiag.config import Config
 from kvdiag.model import CheckResult, Finding, Verdict
 
@@ -21,6 +25,9 @@ def decide(checks: Mapping[str, CheckResult], config: Config) -> Verdict:
     unknown = [sig for sig, st in status.items() if st == "unknown"]
     choices = [(True, False) if st == "unknown" else (st == "firing",) for st in status.values()]
     rows = {verdict_for(combo).verdict: verdict_for(combo) for combo in product(*choices)}
+    if len(rows) > 1 and all(VERDICTS[v].names_pool for v in rows):
+        least = verdict_for(tuple(st == "firing" for st in status.values()))  # type: ignore[arg-type]
+        return _settled(least, rows, unknown, status, checks, config)
     if len(rows) > 1:
         by_reason: dict[str, list[str]] = {}
         for sig in unknown:
@@ -38,6 +45,17 @@ def decide(checks: Mapping[str, CheckResult], config: Config) -> Verdict:
         reason += f"; {', '.join(SIGNALS[s] for s in unknown)} unknown, but the answer is the same either way"
     notes = _usage_note(row.verdict, checks, config) + _deferred_note(checks) + _role_note(row.verdict, checks)
     return _verdict(row.verdict, reason + notes)
+
+
+def _settled(least: Row, rows: Mapping[str, Row], unknown: list[str], status: Mapping[str, str],
+             checks: Mapping[str, CheckResult], config: Config) -> Verdict:
+    """The least pool verdict the known signals prove, where the unknown ones could only raise it."""
+    fired = [SIGNALS[s] for s in SIGNALS if status[s] == "firing"]
+    higher = sorted(v for v in rows if v != least.verdict)
+    names = " and ".join(SIGNALS[s] for s in unknown)
+    reason = (f"{least.meaning} [{', '.join(fired)} firing]; {names} unknown ({_why(checks[SIGNALS[unknown[0]]])}): "
+              f"the pool is the answer either way, {' or '.join(higher)} if {'they fire' if len(unknown) > 1 else 'it fires'}")
+    return _verdict(least.verdict, reason + _usage_note(least.verdict, checks, config) + _role_note(least.verdict, checks))
 
 
 def findings(verdict: Verdict, checks: Mapping[str, CheckResult]) -> list[Finding]:
@@ -120,5 +138,9 @@ def _usage_note(verdict: str, checks: Mapping[str, CheckResult], config: Config)
     admission_peak = min(1.0, peak + need) if isinstance(need, float) else peak
     if verdict == "l1_kv_pressure" and admission_peak >= config.saturated_usage:
         share = s.evidence.values.get("share_at_or_above")
+        if s.evidence.values.get("reached_before_short_window"):
+            return (f". Admission usage reached {admission_peak:.2f} again and again but stayed >= {config.saturated_usage:g} "
+                    f"in only {share:.0%} of samples: the gauge dips between peaks (an eviction frees its victim's KV at "
+                    "once) while the pool keeps running out")
         return f". Admission usage touched {admission_peak:.2f} but stayed >= {config.saturated_usage:g} in only {share:.0%} of samples: a short spike is pressure, not a pinned pool"
     return ""

@@ -31,6 +31,8 @@ class Knobs:
     data_parallel: str
     memory_fraction: str
     enable_metrics: str
+    reserve_scale: str | None = None  # scales the share of running requests' output admission reserves
+    reserve_clip: str | None = None  # caps the output admission charges one request
 
 
 @dataclass

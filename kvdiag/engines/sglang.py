@@ -125,6 +125,8 @@ KNOBS = Knobs(
     data_parallel="--dp-size",
     memory_fraction="--mem-fraction-static",
     enable_metrics="--enable-metrics",
+    reserve_scale="--schedule-conservativeness",
+    reserve_clip="SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION",
 )
 
 ENABLE_HINT = "start SGLang with --enable-metrics (without it /metrics is a 404)"

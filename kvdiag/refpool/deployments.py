@@ -91,6 +91,9 @@ class _Wrapped:
     def has_work(self) -> bool:
         return self.inner.has_work()
 
+    def idle(self) -> None:
+        self.inner.idle()
+
     def check_invariants(self) -> None:
         self.inner.check_invariants()
 

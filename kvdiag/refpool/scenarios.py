@@ -32,7 +32,7 @@ from kvdiag.refpool.sglang.scheduler import SGLangScheduler, default_max_running
 from kvdiag.refpool.sim import EPOCH, Simulation
 from kvdiag.refpool.types import EngineScheduler, KVStore
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
-from kvdiag.refpool.workload import Arrivals, Fixed, LogNormal, Periodic, Poisson, Ramp, SharedPrefix, Uniform, Workload
+from kvdiag.refpool.workload import Arrivals, ClosedLoop, Fixed, LogNormal, Periodic, Poisson, Ramp, SharedPrefix, Uniform, Workload
 
 ENGINES = ("sglang", "vllm")
 TICK_S = 0.05  # wall seconds between advances of a live simulation
@@ -417,6 +417,33 @@ SCENARIOS: dict[str, Scenario] = {
             (_chat(Poisson(1.0), seed=25),),
             duration=300.0,
             restart_at=150.0,
+        ),
+        Scenario(
+            "closed-loop",
+            "120 clients in a closed loop (each sends its next request the moment its answer returns, as benchmarks "
+            "and many gateways do) with the seed's prompts and 150-450-token answers run to their length (ignore_eos, "
+            "the real engines' stories): the "
+            "pool holds ~60 of them, so the queue stands at 120 minus running for the whole run, wandering a few "
+            "requests up and down, never growing. vLLM admits against the requests' real lengths and preempts as "
+            "they grow. SGLang reserves every running request's whole remaining output (ignore_eos: ratio 1, "
+            "whatever its exported new_token_ratio says) and the next one's whole answer: admission is refused "
+            "while its usage gauge reads 0.82-0.97.",
+            ("l1_kv_bottleneck",),
+            (Workload(ClosedLoop(120), LogNormal(1000, 0.4, hi=4000), Uniform(150, 450),
+                      prefix=SharedPrefix(4, 0.7), ignore_eos=True, seed=51),),
+            duration=240.0,
+            intent_by_engine={"sglang": ("l1_kv_pressure",)},
+        ),
+        Scenario(
+            "eos-answers",
+            "Clients ask for max_tokens 2,048 and get chat answers of ~250 tokens (they stop at EOS), 100 clients in a "
+            "closed loop. vLLM allocates what requests hold, not what they ask for. SGLang charges each admitted "
+            "request its whole max_new_tokens and keeps new_token_ratio x the rest for every running one: the "
+            "reserve, not the requests, fills its pool.",
+            ("l1_kv_bottleneck",),
+            (Workload(ClosedLoop(100), LogNormal(1000, 0.4, hi=4000), LogNormal(250, 0.7, hi=1500),
+                      prefix=SharedPrefix(4, 0.7), max_new_tokens=2048, seed=52),),
+            duration=240.0,
         ),
         Scenario(
             "recovery",

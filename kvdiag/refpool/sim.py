@@ -30,6 +30,7 @@ from kvdiag.refpool.sglang.scheduler import SGLangScheduler
 from kvdiag.refpool.sglang.stats import SGLangStats
 from kvdiag.refpool.types import DecodeRun, EngineScheduler, SimRequest, StepPlan, batch_decoding, pickle_by_fields
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler, VLLMStats
+from kvdiag.refpool.workload import ClosedStream
 
 EPOCH = 1_795_952_340.0  # simulated t = 0 as a Unix time, for _created series and recordings
 
@@ -299,6 +300,7 @@ class Simulation:
         self._live: dict[SimRequest, None] = {}  # admitted, unfinished (ordered, for restart)
         self._unscheduled: set[SimRequest] = set()  # queue time not yet observed
         self._no_token: set[SimRequest] = set()  # TTFT not yet observed
+        self._idle = False  # the idle iteration has run since the last step
 
     # -------------------------------------------------------------- driving
     def run_until(self, t: float) -> None:
@@ -307,9 +309,12 @@ class Simulation:
         with self.lock:
             while True:
                 self._admit_arrivals()
+                idle = not self.scheduler.has_work()
+                if idle:  # the loop's next iteration finds nothing: it idles at once
+                    self._go_idle()
                 if self.now >= t:
                     return
-                if not self.scheduler.has_work():
+                if idle:
                     self._idle_until(t)
                     continue
                 if self._fast_forward(t):
@@ -334,6 +339,8 @@ class Simulation:
             if batch is not None:
                 batch.sync()
             self.records.extend(RequestRecord.of(r) for r in self._live)
+            if self._live and isinstance(self._arrivals, ClosedStream):  # their clients see an error and send again
+                self._clients_return(list(self._live), self.now)
             self.restarts.append(self.now)
             self._start_engine()
 
@@ -373,12 +380,33 @@ class Simulation:
             n += 1
         return n
 
+    def _clients_return(self, finished: list[SimRequest], t: float) -> None:
+        """Closed-loop clients whose answers came back send their next requests: the stream's
+        next send may now come before the one the loop already holds."""
+        stream = self._arrivals
+        assert isinstance(stream, ClosedStream)
+        for r in finished:
+            stream.returned(r, t)
+        if self._next is not None:
+            stream.give_back(self._next)
+        self._next = next(stream, None)
+
+    def _go_idle(self) -> None:
+        """The engine's loop found nothing to run: its idle iteration (SGLang resets
+        new_token_ratio there), once per idle spell, and what that iteration publishes."""
+        if self._idle:
+            return
+        self.scheduler.idle()
+        self.metrics.on_step()
+        self._idle = True
+
     def _idle_until(self, t: float) -> None:
         """Nothing can run: jump to the next arrival (or to ``t``)."""
         nxt = self._next.arrival if self._next is not None else t
         self.now = max(self.now, min(nxt, t))
 
     def _finish_step(self, plan: StepPlan, start: float, dt: float) -> None:
+        self._idle = False
         end = start + dt
         finished = self.scheduler.update_from_output(plan, end)
         self.now = end
@@ -388,6 +416,8 @@ class Simulation:
             if c.is_prefill:
                 prefill = True
                 self._observe_first(c.req)
+        if finished and isinstance(self._arrivals, ClosedStream):
+            self._clients_return(finished, end)
         for r in finished:
             self._live.pop(r, None)
             self._unscheduled.discard(r)  # aborted before it ever ran
@@ -434,6 +464,7 @@ class Simulation:
         if not starts:
             return False
         used = self.scheduler.advance_decode(len(starts))  # type: ignore[attr-defined]
+        self._idle = False
         self.now = now
         truth = self.metrics.on_step()  # nothing reads the hook inside a run: once, after it, is every step
         if self.record_steps:

@@ -260,4 +260,9 @@ class EngineScheduler(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def idle(self) -> None:
+        """An iteration of the engine's loop with nothing to run (the loop polls while idle:
+        SGLang resets its new_token_ratio there)."""
+        ...
+
     def check_invariants(self) -> None: ...

@@ -12,8 +12,9 @@ span the final verdict is judged on (the last ``Config.window`` seconds of the r
 * **L1 binds**: admission refused a waiting request for lack of KV (``StepPlan.blocked_on_kv``)
   during at least half of the span's time.
 * **backlog**: requests wait and the wait does not drain: the true waiting count averages at least
-  ``QUEUE_FLOOR`` (5) requests over the span (fewer is the jitter of arrivals), and no less over its
-  last third than over its first.
+  ``QUEUE_FLOOR`` (5) requests over the span (fewer is the jitter of arrivals), and its last third
+  holds no fewer than its first, less ``QUEUE_FLOOR`` or 10 % (a closed loop's queue stands at
+  clients minus running, a few requests up and down: it stands, it does not drain).
 * **recompute**: at least one running request was retracted / preempted in the span's last
   ``Config.evictions_recent_window`` seconds, or earlier in the span while L1 bound (admission
   blocked on KV at least half of the time) over those last seconds: the spans the eviction check
@@ -304,7 +305,8 @@ class TruthReader:
         recompute = int(st["evicted"][rlo:hi].sum()) > 0 or (evictions > 0 and _weighted_share(st["blocked_on_kv"][rlo:hi], st["duration"][rlo:hi]) >= 0.5)
         waiting = st["waiting"][lo:hi].astype(float)
         third = max(1, len(waiting) // 3)
-        backlog = bool(len(waiting)) and waiting.mean() >= QUEUE_FLOOR and waiting[-third:].mean() >= waiting[:third].mean()
+        first, last = (float(waiting[:third].mean()), float(waiting[-third:].mean())) if len(waiting) else (0.0, 0.0)
+        backlog = bool(len(waiting)) and waiting.mean() >= QUEUE_FLOOR and last >= first - max(QUEUE_FLOOR, 0.1 * first)
         a, b = np.searchsorted(self.finished, [start, end], side="left")
         mean_size = float(self.sizes[a:b].mean()) if b > a else 0.0
         free_requests = (1.0 - st["usage"][lo:hi]) * self.capacity / max(mean_size, 1.0)

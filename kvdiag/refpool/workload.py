@@ -4,7 +4,9 @@ A scenario needs load whose shape is known exactly (ground truth), identical on 
 and reproducible: a ``Workload`` is a pure function of its parameters and seed. It yields
 ``SimRequest`` lazily in arrival order, so hour-long runs hold only what is in flight.
 Arrivals are open-loop (they never depend on how the engine is doing), which is what makes the
-stream the same whatever engine consumes it. Each random aspect (arrival times, lengths,
+stream the same whatever engine consumes it, except under ``ClosedLoop`` clients: N clients, each
+sending its next request when its last one returns (benchmarks, many gateways), whose stream is
+told of every finished request (``ClosedStream.returned``) and so depends on the engine. Each random aspect (arrival times, lengths,
 prefix choice, token ids) draws from its own child seed, so changing one does not reshuffle the
 others.
 
@@ -265,6 +267,26 @@ class Conversations:
         return Conversations(turns=Uniform(5, 20), think_s=1.5, turn_input=LogNormal(300, 1.0, lo=8, hi=8000))
 
 
+@dataclass(frozen=True)
+class ClosedLoop:
+    """``clients`` clients, each sending a request, waiting for its answer, thinking
+    ``think_s`` seconds and sending the next: the load follows the engine. Client k's first
+    request goes at ``k x stagger_s``. Its queue cannot grow past ``clients - running``: under an
+    overload it stands there, which real engines showed (24 clients, 18-22 waiting)."""
+
+    clients: int
+    think_s: float = 0.0
+    stagger_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.clients < 1 or self.think_s < 0 or self.stagger_s < 0:
+            raise ValueError("ClosedLoop needs clients >= 1, think_s >= 0 and stagger_s >= 0")
+
+    def times(self, rng: np.random.Generator) -> Iterator[float]:
+        """The clients' first sends (the rest follow their answers: ``ClosedStream``)."""
+        return iter([k * self.stagger_s for k in range(self.clients)])
+
+
 # ---------------------------------------------------------------- workload
 @dataclass(frozen=True)
 class Workload:
@@ -280,11 +302,16 @@ class Workload:
     seed: int = 0
 
     def requests(self) -> Iterator[SimRequest]:
-        """Requests in arrival order, generated lazily (follow-up turns wait in a small heap)."""
+        """Requests in arrival order, generated lazily (follow-up turns wait in a small heap);
+        under ``ClosedLoop`` arrivals a ``ClosedStream``, which the engine loop tells of each
+        finished request."""
+        if isinstance(self.arrivals, ClosedLoop):
+            return ClosedStream(self, self.arrivals)
         return _Stream(self).run()
 
 
-pickle_by_fields(Fixed, Uniform, LogNormal, Poisson, Periodic, Bursty, EveryKth, Ramp, SharedPrefix, Conversations, Workload)
+pickle_by_fields(Fixed, Uniform, LogNormal, Poisson, Periodic, Bursty, EveryKth, Ramp, SharedPrefix, Conversations,
+                 ClosedLoop, Workload)
 
 
 class _Stream:
@@ -316,6 +343,10 @@ class _Stream:
             req = self._request(f"r{n}.t0" if turns > 1 else f"r{n}", t, self._first_prompt())
             self._follow(req, turns - 1)
             yield req
+
+    def request(self, rid: str, t: float) -> SimRequest:
+        """A fresh (first-turn) request sent at ``t``."""
+        return self._request(rid, t, self._first_prompt())
 
     def _first_prompt(self) -> tuple[int, ...]:
         n = self.w.input_len.sample(self.len_rng)
@@ -349,6 +380,45 @@ class _Stream:
         req = self._request(f"{session}.t{int(turn) + 1}", t, prev.prompt + expected_output(prev) + new_input)
         self._follow(req, left - 1)
         return req
+
+
+class ClosedStream:
+    """The requests of ``ClosedLoop`` clients in send order: each client's next request exists
+    once its last one returned (``returned``). ``next()`` raises StopIteration while every
+    client waits for an answer, and yields again after a return, so the engine loop asks again
+    after each step that finished requests (``Simulation``). Prompts and lengths are drawn as
+    the open-loop stream draws them, in send order; a request the loop took but has not yet
+    handed to the engine can be given back (``give_back``) when an earlier one appears."""
+
+    def __init__(self, w: Workload, loop: ClosedLoop) -> None:
+        self.stream = _Stream(w)
+        self.think_s = loop.think_s
+        self.client: dict[SimRequest, int] = {}
+        self.sent = itertools.count()
+        self.pending: list[tuple[float, int, int, SimRequest | None]] = [  # (send time, order, client, request)
+            (t, next(self.sent), k, None) for k, t in enumerate(loop.times(self.stream.arr_rng))]
+
+    def __iter__(self) -> ClosedStream:
+        return self
+
+    def __next__(self) -> SimRequest:
+        if not self.pending:
+            raise StopIteration
+        t, _, k, req = heapq.heappop(self.pending)
+        if req is None:
+            req = self.stream.request(f"c{k}.{len(self.client)}", t)
+            self.client[req] = k
+        return req
+
+    def returned(self, req: SimRequest, t: float) -> None:
+        """``req`` finished at ``t``: its client sends its next request ``think_s`` later."""
+        k = self.client.pop(req, None)
+        if k is not None:
+            heapq.heappush(self.pending, (t + self.think_s, next(self.sent), k, None))
+
+    def give_back(self, req: SimRequest) -> None:
+        """A request taken from ``next()`` and not yet sent goes back to its place."""
+        heapq.heappush(self.pending, (req.arrival, next(self.sent), self.client[req], req))
 
 
 class TokenDraws:

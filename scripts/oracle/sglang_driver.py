@@ -306,12 +306,8 @@ def run_story(story: dict[str, Any]) -> None:
         elif s.is_fully_idle():
             s.new_token_ratio_tracker.reset()  # on_idle's only scheduling effect; its self-checks need
             # the stats observer and the invariant checker, which this driver does not build
-        s.last_batch = batch
-        if batch and not unfinished():  # the loop's next iteration: idle, it resets the ratio
-            s.running_batch = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch).running_batch
-            if s.is_fully_idle():
-                s.new_token_ratio_tracker.reset()
-            s.last_batch = None
+        s.last_batch = batch  # the state as the loop holds it after this iteration: a step that finishes the
+        # last request still has the decayed ratio; on_idle resets it at the next iteration that finds no batch
         tree = s.tree_cache
         print(json.dumps({
             "story": story["name"], "step": step,

@@ -53,6 +53,7 @@ def recording(
     role: str = "unified",  # a PD instance's role: its queues below are exported as 0 otherwise
     prealloc: Series = const(0),  # decode: waiting for room in the pool
     transfer: Series = const(0),  # decode: preallocated, KV on its way
+    new_token_ratio: Series = const(0.7),  # SGLang's reserve ratio (vLLM exports none)
 ) -> list[Scrape]:
     def fresh() -> EngineState:
         return EngineState(capacity_tokens=capacity, l2_capacity_tokens=l2_capacity, role=role)
@@ -67,6 +68,7 @@ def recording(
         state.evictable_tokens = min(capacity - used, capacity // 20)
         state.waiting, state.running = int(waiting(i)), int(running(i))
         state.prealloc_queue, state.transfer_queue = int(prealloc(i)), int(transfer(i))
+        state.new_token_ratio = new_token_ratio(i)
         new_evictions = int(evictions(i))
         state.evictions_total += new_evictions
         state.last_eviction_event = new_evictions

@@ -45,9 +45,15 @@ def test_every_combination_has_exactly_one_answer() -> None:
         ("ok", "firing", "ok", "queue_without_kv_pressure"),
         ("ok", "ok", "firing", "healthy"),
         ("ok", "ok", "ok", "healthy"),
-        # Unknown signals: decided only when every way of filling them in agrees.
+        # Unknown signals: decided when every way of filling them in agrees, or when every way
+        # names the pool (the least of those verdicts: what the known signals prove).
         ("ok", "ok", "unknown", "healthy"),
-        ("firing", "firing", "unknown", "unknown"),
+        ("firing", "firing", "unknown", "l1_kv_pressure"),
+        ("firing", "ok", "unknown", "near_kv_capacity"),
+        ("firing", "unknown", "unknown", "near_kv_capacity"),
+        ("unknown", "firing", "firing", "l1_kv_pressure"),
+        ("ok", "firing", "unknown", "unknown"),
+        ("unknown", "firing", "ok", "unknown"),
         ("unknown", "ok", "ok", "unknown"),
         ("unknown", "unknown", "unknown", "unknown"),
     ],
@@ -57,8 +63,17 @@ def test_decide(s: str, q: str, e: str, verdict: str) -> None:
 
 
 def test_unknown_verdict_names_the_deciding_signal() -> None:
+    v = decide(signals("ok", "firing", "unknown"), Config())
+    assert "evictions_growing unknown" in v.reason and "queue_without_kv_pressure" in v.reason and "l1_kv_pressure" in v.reason
+
+
+def test_an_unknown_signal_does_not_unsettle_a_pool_verdict() -> None:
+    """A pinned pool without its eviction counter (a log without preemptions) is about the pool
+    whatever the counter would say: the verdict is the least pool verdict, and says what the
+    missing signal could raise it to."""
     v = decide(signals("firing", "ok", "unknown"), Config())
-    assert "evictions_growing unknown" in v.reason and "near_kv_capacity" in v.reason and "l1_kv_pressure" in v.reason
+    assert v.name == "near_kv_capacity"
+    assert "evictions_growing unknown" in v.reason and "l1_kv_pressure if it fires" in v.reason
 
 
 def test_alert_names_and_severities() -> None:
@@ -96,7 +111,9 @@ def test_every_remedy_renders_with_and_without_figures(engine: str) -> None:
 
     knobs = asdict(engines.knobs(engine))
     figs = dict(pool_tokens=1, shared_tokens=1, private_len=1, ceiling=1, running_peak=1, running_note="; x", limit=1,
-                limit_reason="x", fp8_pool_tokens=1, fp8_ceiling=1, double_ceiling=1, unknown_hints="x")
+                limit_reason="x", fp8_pool_tokens=1, fp8_ceiling=1, double_ceiling=1, unknown_hints="x",
+                reserve_usage=0.7, reserve_running=3, reserve_ratio=0.098, reserve_tokens=1, reserve_share=0.1,
+                reserve_output=400.0)
     for r in catalog.REMEDIES.values():
         assert "{" not in r.text.format(**figs, **knobs, enable_hint="h")
         assert "{" not in r.plain.format(**knobs, enable_hint="h")
@@ -117,7 +134,8 @@ def test_series_names_follow_the_recording_rule_convention() -> None:
         level, metric, ops = name.split(":")
         assert level == "instance" and metric.startswith("kvdiag_") and ops
         assert s.field in {"usage_ratio", "waiting", "running", "evictions_total", "ttft", "prefix_hit_tokens_total", "l2_used_tokens", "l2_hit_tokens_total",
-                           "l2_load_bytes_total", "l2_store_bytes_total"}
+                           "l2_load_bytes_total", "l2_store_bytes_total", "capacity_tokens", "decode_reserve_ratio",
+                           "generation_tokens_total"}
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")

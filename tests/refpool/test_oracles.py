@@ -174,6 +174,11 @@ SGLANG_STORIES = [
     Story("conservativeness", sglang_config(schedule_conservativeness=0.3), make_requests(18, 40, 2, (30, 120), (20, 90))),
     Story("retractions", sglang_config(schedule_conservativeness=0.1), make_requests(21, 24, 1, (20, 60), (150, 300))),
     Story("ignore_eos", sglang_config(ignore_eos=True), make_requests(19, 30, 2, (30, 120), (20, 90))),
+    # Bursts with idle spells between them: the step that finishes a burst's last request still
+    # holds the decayed new_token_ratio, the next idle iteration resets it (on_idle).
+    Story("idle_spells", sglang_config(), [
+        {**r, "step": r["step"] + 150 * burst} for burst in range(3)
+        for r in make_requests(25 + burst, 8, 1, (30, 120), (20, 90))]),
     Story("page_size_16", sglang_config(page_size=16, max_total_num_tokens=1600), make_requests(20, 30, 2, (30, 120), (20, 90))),
     # HiCache: six 160-token prefixes outgrow L1 (1200 tokens) but fit L2 (2x): each group's
     # prefix is demoted to host before the group comes round again and is loaded back.

@@ -17,7 +17,7 @@ from kvdiag.refpool.sim import EPOCH, PoolTruth, Simulation
 from kvdiag.refpool.storage import SMALL_LAYOUT, KVStorage
 from kvdiag.refpool.types import ScheduledChunk, SimRequest, StepPlan
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
-from kvdiag.refpool.workload import Fixed, LogNormal, Poisson, SharedPrefix, Workload
+from kvdiag.refpool.workload import ClosedLoop, Fixed, LogNormal, Poisson, SharedPrefix, Workload
 
 
 # ---------------------------------------------------------------- a scheduler whose steps are known
@@ -35,6 +35,9 @@ class FakeScheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def idle(self) -> None:
+        pass
 
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
@@ -274,3 +277,32 @@ def test_runs_on_real_kv_bytes_with_l2(engine: str) -> None:
     steps = sim.steps.arrays()
     assert steps["stored_tokens"].sum() > 0 and steps["loaded_tokens"].sum() > 0  # demoted and loaded back
     assert sum(r.host_hit_tokens for r in done) > 0
+
+
+# ---------------------------------------------------------------- closed-loop clients
+def test_closed_loop_clients_send_when_their_answer_returns() -> None:
+    """Three clients, one slot, answers of 3 tokens (3 steps of 1 s), think 0.5 s: never more
+    than three requests in flight, the queue stands at clients minus running, and each client's
+    next request goes exactly think_s after its last one finished."""
+    w = Workload(ClosedLoop(3, think_s=0.5, stagger_s=0.0), Fixed(4), Fixed(3), seed=1)
+    sim = Simulation(lambda: FakeScheduler(1), w.requests(), lambda plan: 1.0, metrics=FakeMetrics)
+    sim.run_until(60)
+    steps = sim.steps.arrays()
+    assert max(steps["running"] + steps["waiting"]) == 3 and max(steps["waiting"]) == 2
+    by_client: dict[str, list] = {}
+    for r in sim.records:
+        by_client.setdefault(r.rid.split(".")[0], []).append(r)
+    assert set(by_client) == {"c0", "c1", "c2"}
+    for recs in by_client.values():
+        recs.sort(key=lambda r: r.arrival)
+        assert all(b.arrival == a.finished + 0.5 for a, b in zip(recs, recs[1:]) if a.finished is not None)
+    assert len(sim.records) >= 15  # the loop keeps going: one slot, a request per 3 s
+
+
+def test_a_restart_sends_the_lost_requests_clients_again() -> None:
+    w = Workload(ClosedLoop(2, stagger_s=0.0), Fixed(4), Fixed(3), seed=1)
+    sim = Simulation(lambda: FakeScheduler(1), w.requests(), lambda plan: 1.0, metrics=FakeMetrics)
+    sim.run_until(4.5)
+    sim.restart()
+    sim.run_until(30)
+    assert sum(r.finished is not None and r.arrival >= 4.5 for r in sim.records) >= 5

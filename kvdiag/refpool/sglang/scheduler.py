@@ -200,8 +200,6 @@ class SGLangScheduler:
         self._aborted = []
         for sim in finished:
             sim.finished = now
-        if not self.has_work():
-            self._on_idle()
         after = self._l2_counters()
         plan.loaded_tokens += after[0] - before[0]
         plan.stored_tokens += after[1] - before[1]
@@ -474,6 +472,15 @@ class SGLangScheduler:
         return retracted
 
     # ================================================================= idle, flags, stats
+    def idle(self) -> None:
+        """The loop's iteration that finds nothing to run (``types.EngineScheduler.idle``).
+
+        SGLang resets new_token_ratio there (``on_idle``), not in the step whose result
+        finishes the last request: that step still reports the decayed ratio, and a request
+        that arrived during it is admitted by the next iteration against the decayed ratio,
+        before the loop is ever idle."""
+        self._on_idle()
+
     def _on_idle(self) -> None:
         """Fully idle: drop released requests, reset the ratio (``on_idle``) and self-check."""
         if self.waiting_queue or self.chunked_req or any(not r.finished for r in self.running_batch):

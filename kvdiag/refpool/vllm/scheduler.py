@@ -163,6 +163,9 @@ class VLLMScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.kv_holding_waiting)
 
+    def idle(self) -> None:
+        """Nothing to run: vLLM's engine core just waits for input; no scheduler state moves."""
+
     def schedule(self, now: float) -> StepPlan:
         """One scheduling pass: running requests first (preempting from the back of the running
         list when blocks run out), then waiting requests in FCFS order unless this step preempted."""
