@@ -67,6 +67,7 @@ WANTED = SIGNATURE + (
     P + "time_to_first_token_seconds",
     P + "request_queue_time_seconds",
     P + "time_in_queue_requests",
+    P + "inter_token_latency_seconds",
     P + "num_requests_waiting_by_reason",
     P + "num_requests_kv_fetch_by_stage",
     P + "request_num_preemptions",
@@ -158,6 +159,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
     put_histogram(ps, "ttft", P + "time_to_first_token_seconds", expo.get(P + "time_to_first_token_seconds"), split)
     qname, qfam = first(expo, P + "request_queue_time_seconds", P + "time_in_queue_requests")
     put_histogram(ps, "queue_time", qname, qfam, split)
+    put_histogram(ps, "itl", P + "inter_token_latency_seconds", expo.get(P + "inter_token_latency_seconds"), split)
     put_histogram(ps, "prompt_lengths", P + "request_prompt_tokens", expo.get(P + "request_prompt_tokens"), split)
     put_histogram(ps, "output_lengths", P + "request_generation_tokens", expo.get(P + "request_generation_tokens"), split)
     ps.check_parts()
