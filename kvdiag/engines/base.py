@@ -31,8 +31,8 @@ class Knobs:
     data_parallel: str
     memory_fraction: str
     enable_metrics: str
-    pool_tokens: str  # the KV pool's size set directly
-    conservativeness: str  # how much of running requests' future output admission reserves ("" where none)
+    kv_pool_size: str  # the KV pool's size set directly
+    reserve_conservativeness: str  # how much of running requests' future output admission reserves ("" where none)
 
 
 @dataclass

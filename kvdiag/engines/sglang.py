@@ -126,8 +126,8 @@ KNOBS = Knobs(
     data_parallel="--dp-size",
     memory_fraction="--mem-fraction-static",
     enable_metrics="--enable-metrics",
-    pool_tokens="--max-total-tokens",
-    conservativeness="--schedule-conservativeness",
+    kv_pool_size="--max-total-tokens",
+    reserve_conservativeness="--schedule-conservativeness",
 )
 
 ENABLE_HINT = "start SGLang with --enable-metrics (without it /metrics is a 404)"

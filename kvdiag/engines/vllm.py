@@ -87,8 +87,8 @@ KNOBS = Knobs(
     data_parallel="--data-parallel-size",
     memory_fraction="--gpu-memory-utilization",
     enable_metrics="(drop --disable-log-stats)",
-    pool_tokens="--num-gpu-blocks-override (tokens / --block-size)",
-    conservativeness="",
+    kv_pool_size="--num-gpu-blocks-override (tokens / --block-size)",
+    reserve_conservativeness="",
 )
 
 ENABLE_HINT = "vLLM serves vllm:* metrics unless started with --disable-log-stats; drop that flag"

@@ -62,8 +62,8 @@ class Lever:
         except KeyError:
             return ""
         flags = {"max-running": k.admission_limit, "mem-fraction": k.memory_fraction, "kv-dtype": k.kv_dtype_fp8,
-                 "tp": k.tensor_parallel, "dp": k.data_parallel, "pool": k.pool_tokens,
-                 "conservativeness": k.conservativeness}  # fmt: skip
+                 "tp": k.tensor_parallel, "dp": k.data_parallel, "pool": k.kv_pool_size,
+                 "conservativeness": k.reserve_conservativeness}  # fmt: skip
         return flags.get(self.name, "")
 
 
