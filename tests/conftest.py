@@ -119,6 +119,7 @@ def http_server() -> Iterator[Callable[[Responder], str]]:
 #: worker and share its `scenario_recordings`. Files not named here follow in collection order.
 #: (Not `loadgroup`: xdist 3.8 marks groups through a node attribute pytest 9 no longer reads.)
 LONGEST_FIRST = (
+    "tests/real/test_real_engines.py",  # real vLLM and SGLang servers: 10-15 minutes in one worker
     "tests/refpool/test_validate.py",
     "tests/checks/test_remedies.py",
     "tests/mixin/test_differential.py",

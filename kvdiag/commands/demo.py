@@ -50,10 +50,13 @@ STORY = Config()
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="watch kvdiag read simulated SGLang and vLLM engines saturating their KV pool")
-    p.add_argument("--duration", type=float, default=40.0, help="wall seconds to run (default 40)")
+    p.add_argument("--duration", type=float, help="wall seconds to run (default 40; with --real 240)")
     p.add_argument("--speed", type=float, default=12.0, help="simulated seconds per wall second (default 12)")
-    p.add_argument("--interval", type=float, default=1.0, help="wall seconds between scrapes (default 1)")
+    p.add_argument("--interval", type=float, default=1.0, help="wall seconds between scrapes (default 1; with --real 5)")
     p.add_argument("--no-live", action="store_true", help="plain timestamped lines instead of a live view")
+    p.add_argument("--real", action="store_true",
+                   help="the same story on real vLLM and SGLang servers on this machine's CPU, a tiny model with random "
+                   "weights (installs both engines first: about 7 GB on first use; docs/real-engines.md)")  # fmt: skip
     return p
 
 
@@ -200,17 +203,12 @@ def _line(r: Row) -> str:
     )
 
 
-def _view(rows: list[Row], speed: float) -> Group:
+def _view(rows: list[Row], header: str) -> Group:
     """The live view: a block per instance that wraps at words, so that at 80 columns every
-    name (instance, model, verdict) is still whole."""
+    name (instance, model, verdict) is still whole. ``header`` is formatted with the story's
+    time ``t`` in seconds."""
     story = max((r.story_t for r in rows), default=0.0)
-    parts: list[Text] = [
-        Text(
-            f"story t={story:.0f}s (simulated, {speed:g}x the wall clock); checks over the last "
-            f"{STORY.window:g}s of the story; rates per simulated minute",
-            style="bold",
-        )
-    ]
+    parts: list[Text] = [Text(header.format(t=story), style="bold")]
     for r in rows:
         s, d = r.sample, r.diagnosis
         parts.append(Text(""))
@@ -230,8 +228,31 @@ def _view(rows: list[Row], speed: float) -> Group:
     return Group(*parts)
 
 
+def watch(console: Console, exporter: Exporter, clocks: dict[str, StoryClock], duration: float, interval: float,
+          live_view: bool, header: str) -> list[Row]:  # fmt: skip
+    """The exporter's instances every ``interval`` for ``duration`` wall seconds, live (or one
+    line per instance per tick); returns the last rows."""
+    rows: list[Row] = []
+    with Live(console=console, auto_refresh=False) if live_view else contextlib.nullcontext() as live:
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            time.sleep(interval)
+            rows = [r for t, i in exporter.instances() if (r := Row.of(i, clocks[t])) is not None]
+            if live is not None:
+                live.update(_view(rows, header), refresh=True)
+            else:
+                for r in rows:
+                    console.print(_line(r), highlight=False, soft_wrap=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.real:
+        from kvdiag.real.demo import run_real
+
+        return run_real(args, console)
+    args.duration = 40.0 if args.duration is None else args.duration
     tune_gc()
     sims = [ScenarioRun(get(SCENARIO), engine) for engine in ENGINES]
     clocks = {}
@@ -248,7 +269,6 @@ def run(args: argparse.Namespace) -> int:
         f"exporter: {exporter.url}/ (page), {exporter.url}/api/v1/verdicts (API), {exporter.url}/metrics, {exporter.url}/docs",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
-    rows: list[Row] = []
     stop = threading.Event()
     # the story starts once the exporter is up, so its healthy opening is seen
     drivers = [
@@ -257,17 +277,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     for driver in drivers:
         driver.start()
+    header = (f"story t={{t:.0f}}s (simulated, {args.speed:g}x the wall clock); checks over the last "
+              f"{STORY.window:g}s of the story; rates per simulated minute")  # fmt: skip
     try:
-        with contextlib.nullcontext() if args.no_live else Live(console=console, auto_refresh=False) as live:
-            end = time.monotonic() + args.duration
-            while time.monotonic() < end:
-                time.sleep(args.interval)
-                rows = [r for t, i in exporter.instances() if (r := Row.of(i, clocks[t])) is not None]
-                if live is not None:
-                    live.update(_view(rows, args.speed), refresh=True)
-                else:
-                    for r in rows:
-                        console.print(_line(r), highlight=False, soft_wrap=True)
+        rows = watch(console, exporter, clocks, args.duration, args.interval, not args.no_live, header)
     finally:
         stop.set()
         for driver in drivers:

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvdiag import config as cfg
+from kvdiag.real.catalogue import STORIES as REAL_STORIES
 from kvdiag.refpool.scenarios import CATALOGUE, ENGINES, get
 from kvdiag.refpool.sim import tune_gc
 from kvdiag.refpool.validate import GRACE_S, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, validate
@@ -41,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Exit code: 0 when every final verdict and every scored instant matches its ground truth "
         "(no misleading, no false-alarm instant), 1 otherwise, 3 on an error.",
     )
-    p.add_argument("--scenario", action="append", choices=sorted(CATALOGUE), help="only this scenario (repeatable)")
+    p.add_argument("--scenario", action="append", choices=sorted(CATALOGUE) + sorted(REAL_STORIES), help="only this scenario (repeatable; with --real, a real story)")
     p.add_argument("--engine", action="append", choices=ENGINES, help="only this engine (repeatable)")
     p.add_argument("--interval", type=float, default=5.0, help="simulated seconds between scrapes (default 5)")
     p.add_argument("--mem-fraction", type=float, help="re-size every scenario's pool (deployment memory fraction, default 0.9)")
@@ -49,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a threshold (see `kvdiag explain`)")
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print the JSON scores only")
+    p.add_argument("--real", action="store_true",
+                   help="the real stories on real vLLM / SGLang servers on this machine's CPU (docs/real-engines.md; "
+                   "needs `bash scripts/real-env.sh ENGINE` first, several GB): scored against the engines' own decisions")  # fmt: skip
     p.add_argument("--whatif", action=argparse.BooleanOptionalAction,
                    help="also run the what-if pairs (kvdiag.whatif.pairs) of the scenarios and engines selected "
                    "(default: only when no --scenario is given)")  # fmt: skip
@@ -61,6 +65,14 @@ def run(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"kvdiag validate: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    unknown = [n for n in args.scenario or () if (n in REAL_STORIES) != bool(args.real)]
+    if unknown:
+        print(f"kvdiag validate: {', '.join(unknown)}: {'not a real story' if args.real else 'a real story (use --real)'}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.real:
+        from kvdiag.real.report import validate_real
+
+        return validate_real(args, config, render)
     if args.interval <= 0:
         print("kvdiag validate: --interval must be > 0", file=sys.stderr)
         return EXIT_ERROR

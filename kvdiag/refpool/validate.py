@@ -270,13 +270,26 @@ class TruthReader:
     """The simulator's step log and finished requests as arrays, read span by span."""
 
     def __init__(self, sim: Simulation) -> None:
-        self.steps = sim.steps.arrays()
         done = sorted((r.finished, r.prompt_tokens + r.output_tokens) for r in sim.records if r.finished is not None)
-        self.finished = np.array([f for f, _ in done], dtype=float)
-        self.sizes = np.array([n for _, n in done], dtype=float)
         state = sim.state()
         # The pool that binds: a hybrid model's SWA pool is the smaller one (deployments.py).
-        self.capacity = min(c for c in (state.capacity_tokens, state.swa_capacity_tokens) if c)
+        self._set(sim.steps.arrays(), done, min(c for c in (state.capacity_tokens, state.swa_capacity_tokens) if c))
+
+    @classmethod
+    def of(cls, steps: dict[str, np.ndarray], done: list[tuple[float, int]], capacity: int) -> "TruthReader":
+        """A reader of any engine's step log (the columns ``span`` reads: start, duration,
+        blocked_on_kv, evicted, waiting, running, usage), its finished requests as sorted
+        (finish time, prompt + output tokens) and its pool's size in tokens: a real engine's
+        (kvdiag.real.truth) as the simulator's."""
+        reader = cls.__new__(cls)
+        reader._set(steps, done, capacity)
+        return reader
+
+    def _set(self, steps: dict[str, np.ndarray], done: list[tuple[float, int]], capacity: int) -> None:
+        self.steps = steps
+        self.finished = np.array([f for f, _ in done], dtype=float)
+        self.sizes = np.array([n for _, n in done], dtype=float)
+        self.capacity = capacity
 
     def span(self, start: float, end: float, recompute_from: float | None = None) -> SpanTruth:
         """The truth over the steps that started in ``[start, end)`` (module docstring); where
@@ -303,11 +316,14 @@ class TruthReader:
 
 def truth(sim: Simulation, end: float, config: Config) -> Truth:
     """The label the simulator's own records imply for the span ending at ``end`` (module doc)."""
-    reader = TruthReader(sim)
+    return read_truth(TruthReader(sim), end, config, _slo_breach(sim, end, config.ttft_slo))
+
+
+def read_truth(reader: TruthReader, end: float, config: Config, slo_breach: float | None) -> Truth:
+    """``truth`` from any engine's step log (``TruthReader.of``) and its SLO breach."""
     span = reader.span(end - config.window, end, recompute_from=end - config.evictions_recent_window)
     onset = _onset(reader.steps, end) if span.label in L1_VERDICTS else None
-    return Truth(span.label, span.kv_blocked_share, span.evictions, span.backlog, span.full_share, onset,
-                 _slo_breach(sim, end, config.ttft_slo))
+    return Truth(span.label, span.kv_blocked_share, span.evictions, span.backlog, span.full_share, onset, slo_breach)
 
 
 def score(reader: TruthReader, timeline: list[tuple[float, str]]) -> tuple[Instant, ...]:
@@ -348,7 +364,12 @@ def _onset(steps: dict[str, np.ndarray], end: float) -> float | None:
 
 
 def _slo_breach(sim: Simulation, end: float, slo: float) -> float | None:
-    firsts = sorted((r.first_token, r.ttft) for r in sim.records if r.first_token is not None)
+    return slo_breach(sorted((r.first_token, r.ttft) for r in sim.records if r.first_token is not None), end, slo)
+
+
+def slo_breach(firsts: list[tuple[float, float]], end: float, slo: float) -> float | None:
+    """The first ``BIN_S`` step at which the P99 TTFT of the requests whose first token came in
+    the ``P99_SPAN_S`` before it exceeds ``slo``; ``firsts``: sorted (first-token time, TTFT)."""
     if not firsts:
         return None
     ts = np.array([f for f, _ in firsts])
@@ -396,13 +417,16 @@ def score_run(run: ScenarioRun, config: Config, interval: float = 5.0) -> list[R
     for i, instance in enumerate(sorted(by_instance)):
         timeline = verdicts_over_time(by_instance[instance], config)
         sim = run.sims[i]
-        tr = truth(sim, scenario.duration, config)
         name = scenario.name if scenario.dp == 1 else f"{scenario.name}/dp{i}"
-        results.append(
-            Result(name, engine, tr.label, timeline[-1][1], tr, _first(timeline, L1_VERDICTS), _first(timeline, [tr.label]),
-                   wall, score(TruthReader(sim), timeline))
-        )
+        results.append(judge(name, engine, TruthReader(sim), truth(sim, scenario.duration, config), timeline, wall))
     return results
+
+
+def judge(name: str, engine: str, reader: TruthReader, tr: Truth, timeline: list[tuple[float, str]], wall: float) -> Result:
+    """The Result of one instance: its verdict ``timeline`` (t from the run's start) scored
+    against the truth the reader holds, ``tr`` being the truth over the final window."""
+    return Result(name, engine, tr.label, timeline[-1][1], tr, _first(timeline, L1_VERDICTS), _first(timeline, [tr.label]),
+                  wall, score(reader, timeline))
 
 
 def _job(args: tuple[Scenario, str, Config, float]) -> tuple[str, str, list[Result]]:

@@ -109,10 +109,14 @@ def start_order(chosen: Mapping[str, Service]) -> list[str]:
 class Loopback:
     """The substitutions (module docstring) for a set of services, with a free port each."""
 
-    def __init__(self, chosen: Mapping[str, Service], workdir: Path) -> None:
+    def __init__(self, chosen: Mapping[str, Service], workdir: Path, given: Mapping[str, int] | None = None) -> None:
+        """``given``: services already listening (a real engine in place of a simulated one), by
+        name, on their loopback port; the others get a free port each and are run by ``process``."""
         self.services = dict(chosen)
         self.workdir = workdir
-        self.ports = {s.port: free_port() for s in chosen.values()}
+        given = given or {}
+        assert set(given) <= set(chosen), f"given services that are not chosen: {sorted(set(given) - set(chosen))}"
+        self.ports = {s.port: given.get(name) or free_port() for name, s in chosen.items()}
         assert len(self.ports) == len(chosen), "two services publish the same port"
         hosts = "|".join(re.escape(h) for h in [WILDCARD, *chosen])
         self._address = re.compile(rf"(?<![\w.-])(?:{hosts}):(\d+)\b")

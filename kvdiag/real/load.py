@@ -1,0 +1,206 @@
+"""Load on a real engine's OpenAI endpoint, as its users would send it, with client-side TTFT.
+
+Two shapes of traffic, because they overload an engine differently:
+* an **open loop** (``OpenLoop``): Poisson arrivals at a rate per phase, whatever the engine
+  does; in overload the waiting queue grows without bound;
+* a **closed loop** (``ClosedLoop``): N clients, each sending its next request when the last
+  answer returns (benchmarks, many gateways); the queue cannot exceed N minus running.
+
+Prompts are ASCII, one token per byte with the tiny model's tokenizer (kvdiag/real/tiny_model.py),
+so lengths are exact: ``Requests.prefix`` of each prompt is one shared string (the prefix cache
+hits on it), the rest random. Every request streams and runs to its length (``ignore_eos``);
+where ``max_tokens`` exceeds the output (``extra_max_tokens``), the client reads ``output``
+tokens and closes the stream, which aborts the request on the server: what the engine reserves
+for is ``max_tokens``, what it generates is the output. ``stop`` closes every open stream.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import string
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import requests
+
+from kvdiag.real.engines import MODEL_NAME
+
+
+@dataclass(frozen=True)
+class Phase:
+    seconds: float
+    rate: float  # requests per second (Poisson)
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    phases: tuple[Phase, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    clients: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What each request looks like: lengths drawn uniformly from the ranges (inclusive)."""
+
+    prompt: tuple[int, int] = (300, 500)
+    prefix: float = 0.7  # share of each prompt that is the common prefix
+    output: tuple[int, int] = (200, 600)
+    extra_max_tokens: int = 0  # max_tokens = output + this (the client stops reading at output)
+
+
+@dataclass
+class Record:
+    """One request as its client saw it (wall-clock seconds; None where it never happened)."""
+
+    sent: float
+    prompt_tokens: int
+    output_tokens: int  # asked for (read up to)
+    first_token: float | None = None
+    finished: float | None = None
+    received: int = 0  # streamed chunks read (one token each)
+    error: str = ""
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.sent
+
+
+def _abort(r: requests.Response) -> None:
+    """Close a stream another thread is blocked reading: shut its socket down first (a plain
+    close leaves the reader's recv waiting for the server's next chunk)."""
+    conn = getattr(r.raw, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    r.close()
+
+
+class Driver:
+    """Sends a load to ``url`` from threads; ``records`` grow as requests are sent."""
+
+    def __init__(self, url: str, shape: Requests, seed: int = 0) -> None:
+        self.url = url.rstrip("/") + "/v1/completions"
+        self.shape = shape
+        self.rng = random.Random(seed)
+        letters = string.ascii_letters + string.digits + " "
+        self._letters = letters
+        self.common = "".join(self.rng.choice(letters) for _ in range(shape.prompt[1]))
+        self.records: list[Record] = []
+        self._stop = threading.Event()
+        self._open: set[requests.Response] = set()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ one request
+    def _prompt(self, rng: random.Random) -> tuple[str, int, int]:
+        n = rng.randint(*self.shape.prompt)
+        shared = int(n * self.shape.prefix)
+        text = self.common[:shared] + "".join(rng.choice(self._letters) for _ in range(n - shared))
+        return text, n, rng.randint(*self.shape.output)
+
+    def _send(self, rng: random.Random) -> None:
+        prompt, n, output = self._prompt(rng)
+        rec = Record(time.time(), n, output)
+        with self._lock:
+            self.records.append(rec)
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output + self.shape.extra_max_tokens,
+                "ignore_eos": True, "stream": True, "temperature": 1.0}  # fmt: skip
+        try:
+            with requests.post(self.url, json=body, stream=True, timeout=(10, 3600)) as r:
+                with self._lock:
+                    if self._stop.is_set():
+                        rec.error = "stopped"
+                        return
+                    self._open.add(r)
+                try:
+                    r.raise_for_status()
+                    for _ in self._chunks(r):
+                        if rec.first_token is None:
+                            rec.first_token = time.time()
+                        rec.received += 1
+                        if rec.received >= output or self._stop.is_set():
+                            break
+                    rec.finished = time.time()
+                finally:
+                    with self._lock:
+                        self._open.discard(r)
+        except (requests.RequestException, OSError, ValueError, AttributeError) as exc:
+            rec.error = "stopped" if self._stop.is_set() else f"{type(exc).__name__}: {exc}"[:200]
+
+    @staticmethod
+    def _chunks(r: requests.Response) -> Iterator[dict]:
+        for line in r.iter_lines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if chunk.get("choices"):
+                yield chunk
+
+    def _spawn(self, seed: int) -> None:
+        t = threading.Thread(target=self._send, args=(random.Random(seed),), daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ------------------------------------------------------------------ shapes
+    def open_loop(self, load: OpenLoop) -> None:
+        """Arrivals for the phases' total time (blocks until the last is sent)."""
+        t = time.monotonic()
+        for phase in load.phases:
+            end = t + phase.seconds
+            while phase.rate > 0:
+                t += self.rng.expovariate(phase.rate)
+                if t >= end:
+                    break
+                if self._stop.wait(max(0.0, t - time.monotonic())):
+                    return
+                self._spawn(self.rng.getrandbits(32))
+            t = end
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                return
+
+    def closed_loop(self, load: ClosedLoop) -> None:
+        """``clients`` loops until ``seconds`` have passed (blocks that long)."""
+        end = time.monotonic() + load.seconds
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < end and not self._stop.is_set():
+                self._send(rng)
+
+        clients = [threading.Thread(target=client, args=(self.rng.getrandbits(32),), daemon=True) for _ in range(load.clients)]
+        for c in clients:
+            c.start()
+            self._threads.append(c)
+        self._stop.wait(max(0.0, end - time.monotonic()))
+
+    def run(self, load: OpenLoop | ClosedLoop) -> None:
+        (self.open_loop if isinstance(load, OpenLoop) else self.closed_loop)(load)  # type: ignore[operator]
+
+    def stop(self, wait: float = 30.0) -> None:
+        """Close every open stream (the server aborts those requests) and join the clients."""
+        self._stop.set()
+        with self._lock:
+            for r in list(self._open):
+                _abort(r)
+        deadline = time.monotonic() + wait
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))

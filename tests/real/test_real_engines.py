@@ -1,0 +1,179 @@
+"""kvdiag against real vLLM and SGLang servers on this machine's CPU (kvdiag/real, docs/real-engines.md).
+
+One server per engine for the whole file (the file is one unit of work under `make test`'s
+``--dist loadfile``, so its tests share the servers in one worker): starting one costs 40-170 s.
+Each test leaves its server idle for the next (``stories.wait_idle``).
+
+What is asserted about verdicts is what holds today on a saturated open loop: the engine's own
+scheduler refuses waiting requests for KV (the truth hook saw it), the truth over the overload
+names L1, and kvdiag names L1 at some instant. Making every instant right is issue 28's; the
+per-instant scores each story measured are printed (``-rP`` / CI's log) as its failing cases.
+
+Under CI (CI=true) a missing engine environment fails these tests; elsewhere they skip, saying
+how to build it (``make real-envs``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvdiag.real import envs
+from kvdiag.real.catalogue import CI_STORY, STORIES
+from kvdiag.real.engines import Engine
+from kvdiag.real.load import Driver, OpenLoop, Phase
+from kvdiag.real.report import line
+from kvdiag.real.stories import StoryRun, run_story, wait_idle
+from kvdiag.refpool.validate import L1_VERDICTS
+from kvdiag.sources.recording import read_recording
+from tests.deploy import stack
+from tests.deploy.test_native_stack import ALERT, _get, _on, _received, _rules, _running, _up_jobs
+from tests.mixin.prom import Process
+from tests.server.test_page import CHROMIUM, FLAGS
+
+STORY = STORIES[CI_STORY]
+ALERTS = (ALERT, "KvdiagL1KVPoolPressure")  # vLLM's L1 alert: bottleneck once evictions grow, pressure before
+STACK_BUDGET_S = 600.0  # a hang guard: the alert fires about 60 s into the overload on 2 idle cores
+
+
+def _environment(engine: str) -> None:
+    try:
+        envs.python(engine)
+    except envs.EnvMissing as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+def _engine(engine: str, tmp: Path) -> Iterator[Engine]:
+    _environment(engine)
+    with Engine(STORY.spec(engine), tmp) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from _engine("vllm", tmp_path_factory.mktemp("real-vllm"))
+
+
+@pytest.fixture(scope="session")
+def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from _engine("sglang", tmp_path_factory.mktemp("real-sglang"))
+
+
+@dataclass(frozen=True)
+class Told:
+    run: StoryRun
+    recording: Path
+
+
+def _tell(engine: Engine, tmp: Path) -> Told:
+    run = run_story(STORY, engine, recording=tmp / "story.jsonl.gz")
+    print(line(run))  # the measured scores, in CI's log (issue 28's failing cases)
+    print(json.dumps(run.result.as_json()["instants"]))
+    return Told(run, tmp / "story.jsonl.gz")
+
+
+@pytest.fixture(scope="session")
+def vllm_saturation(vllm: Engine, tmp_path_factory: pytest.TempPathFactory) -> Told:
+    return _tell(vllm, tmp_path_factory.mktemp("vllm-story"))
+
+
+@pytest.fixture(scope="session")
+def sglang_saturation(sglang: Engine, tmp_path_factory: pytest.TempPathFactory) -> Told:
+    return _tell(sglang, tmp_path_factory.mktemp("sglang-story"))
+
+
+def _engine_refused_for_kv(told: Told) -> None:
+    """What the engine's own scheduler did, the clients saw and the recording kept."""
+    run = told.run
+    errors = [x.error for x in run.records if x.error and x.error != "stopped"]
+    assert not errors, errors[:3]
+    assert run.first_kv_refusal is not None, "the engine never refused a waiting request for KV"
+    assert run.first_kv_refusal >= STORY.load.phases[0].seconds - 5, "KV refused during the light opening"
+    assert any(i.truth in L1_VERDICTS for i in run.result.instants), "the truth never named L1 during the overload"
+    assert len(run.result.scored) >= 5  # instants from 60 s on, less the grace around changes of truth
+    scrapes = list(read_recording(told.recording))
+    assert len(scrapes) == len(run.scrapes) and scrapes[-1].body == run.scrapes[-1].body
+
+
+def test_vllm_saturation_truth_from_its_own_scheduler(vllm_saturation: Told) -> None:
+    _engine_refused_for_kv(vllm_saturation)
+    assert int(vllm_saturation.run.steps.columns["evicted"].sum()) > 0, "vLLM preempts when its pool runs out"
+
+
+def test_vllm_saturation_is_named_l1(vllm_saturation: Told) -> None:
+    r = vllm_saturation.run.result
+    assert r.detected is not None, f"kvdiag never named L1: {[(i.t, i.verdict) for i in r.instants]}"
+
+
+def _overload(engine: Engine) -> Driver:
+    """The CI story's overload, in the background until ``stop``."""
+    driver = Driver(engine.url, STORY.shape, seed=1)
+    threading.Thread(target=driver.run, args=(OpenLoop((Phase(STACK_BUDGET_S, STORY.load.phases[1].rate),)),), daemon=True).start()
+    return driver
+
+
+def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
+    """docker-compose.yml's stack (tests/deploy/stack.py) with the real vLLM in place of vllm-sim:
+    Prometheus scrapes it and the exporter with rules/ loaded (every ``for:`` at 5 s), the L1
+    alert reaches Alertmanager, the exporter's verdict reaches Prometheus, ``kvdiag diagnose``
+    reads the engine live, and the landing page in Chromium shows the verdict."""
+    wait_idle(vllm)
+    services = stack.services()
+    names = ("sglang-sim", "vllm-sim", "kvdiag", "alertmanager", "prometheus")
+    chosen = {n: services[n] for n in stack.start_order({n: services[n] for n in names})}
+    loop = stack.Loopback(chosen, tmp_path, given={"vllm-sim": vllm.port})
+    mounts = {"prometheus": {"/etc/prometheus/rules": _rules(tmp_path)}}
+    processes = [loop.process(n, mounts.get(n)) for n in chosen if n != "vllm-sim"]
+    prom, am, exporter = loop.url("prometheus"), loop.url("alertmanager"), loop.url("kvdiag")
+    target = f"127.0.0.1:{vllm.port}"
+    driver = _overload(vllm)
+    try:
+        with _running(processes):
+            Process.wait(lambda: _up_jobs(prom) == {"sglang", "vllm", "kvdiag"}, 120, "Prometheus to scrape every job")
+            firing = Process.wait(lambda: next((a for a in (_on(target, [x for x in _get(prom + "/api/v1/alerts")["data"]["alerts"]
+                                                                             if x["labels"]["alertname"] in ALERTS and x["state"] == "firing"]),) if a), None),
+                                  STACK_BUDGET_S, "an L1 alert to fire for the real vLLM in Prometheus")  # fmt: skip
+            assert firing["labels"]["job"] == "vllm"
+            received = Process.wait(lambda: next((a for a in _get(am + "/api/v2/alerts") if a["labels"]["alertname"] in ALERTS
+                                                  and a["labels"]["instance"] == target), None), 60, "the alert to reach Alertmanager")  # fmt: skip
+            assert received["status"]["state"] == "active"
+            l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict=~"l1_kv_bottleneck|l1_kv_pressure"} == 1'
+            Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], 120, "the exporter's L1 verdict for vLLM in Prometheus")
+            live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", vllm.url, "--interval", "5s", "--duration", "30s",
+                                   "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+            (inst,) = json.loads(live.stdout)["instances"]
+            assert inst["engine"] == "vllm" and inst["instance"] == vllm.url
+            assert inst["verdict"] in L1_VERDICTS or inst["verdict"] == "queue_without_kv_pressure", inst["verdict"]
+            if CHROMIUM is not None:
+                dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
+                                      "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+                rows = dict(re.findall(r'<tr data-instance="([^"]+)">(.*?)</tr>', dom, re.S))
+                assert vllm.url in rows, dom[-3000:]
+                assert re.search(r"l1_kv_(bottleneck|pressure)", rows[vllm.url]), rows[vllm.url]
+            elif os.environ.get("CI", "").lower() == "true":
+                pytest.fail("chromium is not installed (scripts/system-deps.sh)")
+    finally:
+        driver.stop()
+    wait_idle(vllm)
+
+
+def test_sglang_saturation_truth_from_its_own_scheduler(sglang_saturation: Told) -> None:
+    _engine_refused_for_kv(sglang_saturation)
+
+
+@pytest.mark.xfail(reason="issue 28: on SGLang's reserve-bound admission (3-4 running, usage 0.5-0.8) kvdiag says "
+                   "queue_without_kv_pressure, then healthy as the queue drains (measured 2026-12-03)", strict=False)  # fmt: skip
+def test_sglang_saturation_is_named_l1(sglang_saturation: Told) -> None:
+    r = sglang_saturation.run.result
+    assert r.detected is not None, f"kvdiag never named L1: {[(i.t, i.verdict) for i in r.instants]}"

@@ -1,0 +1,92 @@
+"""The real-engine harness's parts that need no engine: the truth file's reading, the script's
+environment key, the story catalogue's pools (each fast; the engines run in test_real_engines.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvdiag.cli import main
+from kvdiag.real import envs
+from kvdiag.real.catalogue import CI_STORY, STORIES
+from kvdiag.real.truth import MAX_STEP_S, TruthError, read
+
+T0 = 1_800_000_000.0
+
+
+def _write(path: Path, rows: list[list]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_steps_last_until_the_next_and_a_pause_is_not_a_step(tmp_path: Path) -> None:
+    f = _write(tmp_path / "t.jsonl", [
+        [T0 + 0.0, 0, "", 0, 1, 0, 0.1], [T0 + 0.2, 1, "", 0, 4, 3, 0.97], [T0 + 5.0, 0, "seqs", 0, 16, 2, 0.5],
+    ])  # fmt: skip
+    steps = read(f, T0, T0 + 10)
+    assert list(steps.columns["start"]) == pytest.approx([0.0, 0.2, 5.0])
+    assert list(steps.columns["duration"]) == pytest.approx([0.2, MAX_STEP_S, MAX_STEP_S])
+    assert list(steps.columns["blocked_on_kv"]) == [False, True, False]
+    assert steps.first_kv_refusal() == pytest.approx(0.2)
+    assert steps.limit(0, 10) == "kv"  # 1 s blocked on KV against 1 s on the cap: the first wins ties
+    assert steps.limit(4, 10) == "seqs"
+
+
+def test_a_preemption_while_requests_wait_is_blocked_on_kv(tmp_path: Path) -> None:
+    """vLLM skips the waiting queue in a step that preempted: the pool ran out."""
+    f = _write(tmp_path / "t.jsonl", [[T0 + 1, 0, "", 2, 5, 7, 0.9], [T0 + 2, 0, "", 1, 5, 0, 0.9]])
+    steps = read(f, T0, T0 + 10)
+    assert list(steps.columns["blocked_on_kv"]) == [True, False]
+    assert int(steps.columns["evicted"].sum()) == 3
+
+
+def test_only_the_span_is_read_and_per_second_rows_sum_it_up(tmp_path: Path) -> None:
+    rows = [[T0 + k * 0.25, int(k % 2), "" if k % 2 else "budget", 0, 3, 2, 0.5] for k in range(40)]
+    steps = read(_write(tmp_path / "t.jsonl", rows), T0 + 2, T0 + 6)
+    assert len(steps) == 16 and steps.t0 == T0 + 2
+    per = steps.per_second()
+    assert [r["t"] for r in per] == [0, 1, 2, 3]
+    assert all(r["kv_blocked"] == 0.5 and r["cap_budget"] == 0.5 and r["waiting"] == 2 for r in per[:3])
+
+
+def test_a_bad_line_is_an_error_but_a_half_written_last_line_is_not(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps([T0, 1, "", 0, 1, 1, 0.9]) + "\n[1800000001.0, 0, ")
+    assert len(read(f, T0, T0 + 10)) == 1
+    f.write_text("not json\n" + json.dumps([T0, 1, "", 0, 1, 1, 0.9]) + "\n")
+    with pytest.raises(TruthError, match=r"t.jsonl:1: not a truth line"):
+        read(f, T0, T0 + 10)
+    assert len(read(tmp_path / "absent.jsonl", T0, T0 + 10)) == 0
+
+
+def test_the_environment_is_keyed_by_its_pinned_requirements() -> None:
+    for engine in envs.ENGINES:
+        req = envs.ROOT / "scripts" / "real" / f"{engine}.txt"
+        digest = hashlib.sha256(req.read_bytes()).hexdigest()[:12]
+        assert envs.location(engine).name == f"{engine}-{digest}"
+        pins = [l for l in req.read_text().splitlines() if l and not l.startswith("#")]
+        assert all("==" in p for p in pins), [p for p in pins if "==" not in p]
+        assert "torch==2.13.0+cpu" in pins  # never a CUDA torch
+        assert not any(p.split("==")[0] in ("torchaudio", "torchcodec") for p in pins)
+    done = subprocess.run(["bash", str(envs.SCRIPT), "--path", "tensorrt"], capture_output=True, text=True)
+    assert done.returncode == 2 and "no engine 'tensorrt'" in done.stderr
+
+
+def test_every_story_fits_its_engines_and_ci_tells_one_on_each() -> None:
+    assert set(STORIES[CI_STORY].engines) == set(envs.ENGINES)
+    for story in STORIES.values():
+        for engine in story.engines:
+            spec = story.spec(engine)  # raises where vLLM's pool is not whole blocks above the context
+            assert spec.pool_tokens >= story.shape.prompt[1] + story.shape.output[1] + story.shape.extra_max_tokens
+        assert story.seconds >= 120, f"{story.name}: scored instants start after the first minute"
+
+
+def test_validate_keeps_real_and_simulated_stories_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--real", "--scenario", "l1-saturation"]) == 3
+    assert "not a real story" in capsys.readouterr().err
+    assert main(["validate", "--scenario", CI_STORY]) == 3
+    assert "a real story (use --real)" in capsys.readouterr().err
