@@ -21,9 +21,9 @@ negative. The law's error is its ITL against the observed one over the same inte
 weighted relative RMS); the preset's is measured the same way.
 
 Which one a replay uses (``choose``): the preset where the model is a preset's and the preset
-explains the window's ITL (the GPU presets stay); else the fitted law where it explains it;
-else the preset, as a prior, where the data is too thin to fit (few intervals with tokens) or
-the law fits poorly. ``whatif`` states the choice and both errors.
+explains the window's ITL (the GPU presets stay); else the fitted law where it explains it, or
+where it is noisy but still several times nearer than the preset; else the preset, as a prior,
+where the data is too thin to fit (few intervals with tokens) or the law fits no better. ``whatif`` states the choice and both errors.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ GOOD_ERROR = 0.15
 #: A preset is kept over a fitted law where its error is within this (it is the law of a known
 #: model on a known GPU: a small error is the window's noise, not a wrong law).
 PRESET_ERROR = 0.25
+#: A fitted law over ``GOOD_ERROR`` (a noisy window: a loaded machine, few tokens an interval)
+#: is still used where the preset's error is this many times its own.
+PRESET_MARGIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,9 @@ def choose(window: Window, preset: Roofline, preset_known: bool) -> StepFit:
     preset_error = pts.error(pts.preset_itl(preset))
     if preset_known and preset_error <= PRESET_ERROR:
         return StepFit("preset", law, len(pts), error, preset_error, "the model's preset explains the window's ITL")
+    why = "the window's model has no preset" if not preset_known else "the preset does not explain the window's ITL"
     if error <= GOOD_ERROR:
-        why = "the window's model has no preset" if not preset_known else "the preset does not explain the window's ITL"
         return StepFit("fitted", law, len(pts), error, preset_error, why)
+    if error * PRESET_MARGIN <= preset_error:
+        return StepFit("fitted", law, len(pts), error, preset_error, f"{why}; a noisy fit, still far nearer than the preset")
     return StepFit("preset", law, len(pts), error, preset_error, "the fitted law explains the window's ITL poorly; the preset as a prior")
