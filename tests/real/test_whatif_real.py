@@ -1,0 +1,45 @@
+"""whatif against a real engine (kvdiag.whatif.reality): a real incident recorded, whatif's
+prediction of a remedy from that recording, and the real engine re-run under the remedy with the
+same arrivals. One pair per engine (``reality.CI_STORIES``: four times the L1); the full table is
+``kvdiag validate --real --whatif`` (docs/whatif-real.md).
+
+Under CI (CI=true) a missing engine environment fails these tests; elsewhere they skip.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvdiag.config import Config
+from kvdiag.real import envs
+from kvdiag.whatif import reality
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_remedy_predicted_from_a_real_incident_is_what_the_real_engine_does(engine: str, tmp_path: Path) -> None:
+    try:
+        envs.python(engine)
+    except envs.EnvMissing as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    story = reality.CI_STORIES[engine]
+    result = reality.compare_story(story, tmp_path, Config())
+    print(reality.summary(result.pairs))
+    for p in result.pairs:
+        print(p.engine, p.remedy, p.errors.describe() if p.errors else p.error, "load average", p.load_average)
+    assert [p.remedy for p in result.pairs] == ["calibration", "pool=8192"]
+    assert result.fit is not None and result.fit.step is not None and result.fit.step.used == "fitted"  # the tiny model has no preset
+    assert (tmp_path / "incident" / "recording.jsonl.gz").exists()
+    for p in result.pairs:
+        assert not p.error, p.error
+        assert p.real is not None and p.predicted is not None
+        assert p.real.p99_ttft_sim is not None and p.predicted.p99_ttft_sim is not None  # exact TTFTs on both sides
+    remedy = result.pairs[1]
+    assert remedy.real is not None and result.pairs[0].real is not None
+    assert remedy.real.running is not None and result.pairs[0].real.running is not None
+    assert remedy.real.running > result.pairs[0].real.running  # four times the pool runs more at once: the remedy took
+    assert remedy.ok, remedy.errors.describe() if remedy.errors else remedy.error
