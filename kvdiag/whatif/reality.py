@@ -43,7 +43,7 @@ from kvdiag.sources.recording import write_recording
 from kvdiag.whatif.compare import TOLERANCE, Errors, errors
 from kvdiag.whatif.fit import Fit, fit
 from kvdiag.whatif.levers import Lever
-from kvdiag.whatif.replay import Job, Outcome, measure, replay_all, with_ttfts
+from kvdiag.whatif.replay import Job, Outcome, Run, measure, replay_all, with_ttfts
 from kvdiag.window import Window
 
 INTERVAL_S = 5.0  # scrape interval of every real run
@@ -209,6 +209,15 @@ class RealComparison:
                 "pairs": [p.as_json() for p in self.pairs]}  # fmt: skip
 
 
+def predict(story: RealStory, window: Window, config: Config) -> tuple[Fit, list[Run]]:
+    """whatif on the incident's window: the fit, then the calibration and each remedy replayed."""
+    f = fit(window)
+    scenario = f.scenario(story.seed)
+    jobs = [Job(story.name, None, scenario, story.engine, f.interval, config)]
+    jobs += [Job(story.name, lv, lv.apply(scenario), story.engine, f.interval, config) for lv in story.remedies]
+    return f, replay_all(jobs, workers=len(os.sched_getaffinity(0)))
+
+
 def compare_story(story: RealStory, workdir: Path, config: Config, progress: Callable[[str], None] | None = None) -> RealComparison:
     """Record the incident, predict every remedy from it, re-run each on the real engine."""
     say = progress or (lambda _: None)
@@ -216,13 +225,8 @@ def compare_story(story: RealStory, workdir: Path, config: Config, progress: Cal
     base = run_real(story, story.spec(), 1, workdir / "incident")
     if base.error:
         return RealComparison(story, None, [RealPair(story.name, story.engine, "calibration", None, None, base.load_average, base.error)])
-    window = base.windows(story.engine)[0]
-    f = fit(window)
-    scenario = f.scenario(story.seed)
-    jobs = [Job(story.name, None, scenario, story.engine, f.interval, config)]
-    jobs += [Job(story.name, lv, lv.apply(scenario), story.engine, f.interval, config) for lv in story.remedies]
-    say(f"{story.engine}: whatif on the recording ({len(jobs)} replays; step time {f.step.used if f.step else 'preset'})")
-    predicted = replay_all(jobs, workers=len(os.sched_getaffinity(0)))
+    say(f"{story.engine}: whatif on the recording ({1 + len(story.remedies)} replays)")
+    f, predicted = predict(story, base.windows(story.engine)[0], config)
     pairs = [RealPair(story.name, story.engine, "calibration", predicted[0].outcome, base.outcome(story.engine, config),
                       base.load_average, predicted[0].error)]  # fmt: skip
     for lever, pred in zip(story.remedies, predicted[1:]):

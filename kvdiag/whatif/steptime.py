@@ -21,9 +21,10 @@ negative. The law's error is its ITL against the observed one over the same inte
 weighted relative RMS); the preset's is measured the same way.
 
 Which one a replay uses (``choose``): the preset where the model is a preset's and the preset
-explains the window's ITL (the GPU presets stay); else the fitted law where it explains it, or
-where it is noisy but still several times nearer than the preset; else the preset, as a prior,
-where the data is too thin to fit (few intervals with tokens) or the law fits no better. ``whatif`` states the choice and both errors.
+explains the window's ITL within 25 % (the GPU presets stay); else the fitted law where the
+model has no preset (the preset would be an assumed model on an assumed GPU) or the law is
+nearer than the preset; the preset, as a prior, where the data is too thin to fit (few intervals
+with tokens) or the law fits a known model no better than its preset. ``whatif`` states the choice and both errors.
 """
 
 from __future__ import annotations
@@ -41,15 +42,13 @@ from kvdiag.window import Window, counter_steps
 MIN_TOKENS = 20
 #: Intervals a law needs; fewer is thin data, and the preset stays.
 MIN_INTERVALS = 8
-#: A law (fitted or preset) explains the window when its ITL is within this weighted relative
-#: RMS error of the observed one.
+#: A fitted law over this weighted relative RMS error of the observed ITL is said to be noisy
+#: (a loaded machine, few tokens an interval); it is used all the same where the model has no
+#: preset: a preset of an assumed model on an assumed GPU is no evidence about the hardware.
 GOOD_ERROR = 0.15
 #: A preset is kept over a fitted law where its error is within this (it is the law of a known
 #: model on a known GPU: a small error is the window's noise, not a wrong law).
 PRESET_ERROR = 0.25
-#: A fitted law over ``GOOD_ERROR`` (a noisy window: a loaded machine, few tokens an interval)
-#: is still used where the preset's error is this many times its own.
-PRESET_MARGIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -203,9 +202,8 @@ def choose(window: Window, preset: Roofline, preset_known: bool) -> StepFit:
     preset_error = pts.error(pts.preset_itl(preset))
     if preset_known and preset_error <= PRESET_ERROR:
         return StepFit("preset", law, len(pts), error, preset_error, "the model's preset explains the window's ITL")
-    why = "the window's model has no preset" if not preset_known else "the preset does not explain the window's ITL"
-    if error <= GOOD_ERROR:
-        return StepFit("fitted", law, len(pts), error, preset_error, why)
-    if error * PRESET_MARGIN <= preset_error:
-        return StepFit("fitted", law, len(pts), error, preset_error, f"{why}; a noisy fit, still far nearer than the preset")
-    return StepFit("preset", law, len(pts), error, preset_error, "the fitted law explains the window's ITL poorly; the preset as a prior")
+    if not preset_known or error < preset_error:
+        why = "the window's model has no preset" if not preset_known else "the preset does not explain the window's ITL"
+        noisy = f"; a noisy window (over {GOOD_ERROR:.0%})" if error > GOOD_ERROR else ""
+        return StepFit("fitted", law, len(pts), error, preset_error, why + noisy)
+    return StepFit("preset", law, len(pts), error, preset_error, "the fitted law explains the window's ITL no better than the preset")
