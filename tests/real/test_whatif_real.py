@@ -8,24 +8,18 @@ Under CI (CI=true) a missing engine environment fails these tests; elsewhere the
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from kvdiag.config import Config
-from kvdiag.real import envs
 from kvdiag.whatif import reality
+from tests.real.test_real_engines import _environment
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_a_remedy_predicted_from_a_real_incident_is_what_the_real_engine_does(engine: str, tmp_path: Path) -> None:
-    try:
-        envs.python(engine)
-    except envs.EnvMissing as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
+    _environment(engine)
     story = reality.CI_STORIES[engine]
     result = reality.compare_story(story, tmp_path, Config())
     print(reality.summary(result.pairs))
