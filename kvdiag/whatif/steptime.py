@@ -15,9 +15,9 @@ waited per token. Every step in the interval delays each of the B running reques
 
 with B the mean running count, C the context they read (the tokens they hold, plus the shared
 prefix each reads that the pool holds once: the hit ratio times the mean prompt, per request), P the prompt tokens
-prefilled (queried minus hit) and steps ≈ decoded tokens / B. The coefficients are the
-``StepLaw``, fitted by least squares over the intervals, each weighted by its tokens, none
-negative. The law's error is its ITL against the observed one over the same intervals (a
+prefilled (queried minus hit, plus what preempted or retracted requests prefill again) and steps ≈ decoded tokens / B. The coefficients are the
+``StepLaw``, fitted by least squares over the intervals, each weighted by its tokens (so the
+law's time over the window's tokens is the time they took), none negative. The law's error is its ITL against the observed one over the same intervals (a
 weighted relative RMS); the preset's is measured the same way.
 
 Which one a replay uses (``choose``): the preset where the model is a preset's and the preset
@@ -125,6 +125,7 @@ def points(window: Window) -> Points | None:
     used = window.column("used_tokens") if window.has("used_tokens") else np.zeros(len(ts))
     prompt, hits = (_steps(window, name, len(ts)) for name in (_prompt_counter(window), "prefix_hit_tokens_total"))
     shared = _shared_prefix(window)
+    recompute = _recomputed(window, len(ts), shared)
     rows = []
     for t, s, n in zip(ts_end, sums, counts):
         i = index.get(float(t))
@@ -134,7 +135,7 @@ def points(window: Window) -> Points | None:
         c = float(np.nanmean(used[i - 1 : i + 1])) + shared * b
         if not b > 0 or np.isnan(c):
             continue
-        p = max(0.0, float(np.nan_to_num(prompt[i]) - np.nan_to_num(hits[i])))
+        p = max(0.0, float(np.nan_to_num(prompt[i]) - np.nan_to_num(hits[i]))) + float(np.nan_to_num(recompute[i]))
         rows.append((s / n, n, b, c, p * b / n))  # P over steps, steps = tokens / B
     if not rows:
         return Points(*(np.empty(0) for _ in range(5)))
@@ -153,6 +154,21 @@ def _shared_prefix(window: Window) -> float:
     return min(1.0, hits / queried) * prompt / requests
 
 
+def _recomputed(window: Window, n: int, shared: float) -> np.ndarray:
+    """Tokens prefilled again for requests preempted or retracted, per interval: neither
+    engine's prefix-cache counters count a resumed request's lookup, yet its prefill takes the
+    step's time. SGLang counts the tokens retraction threw away; where only the evictions are
+    counted (vLLM), each victim is taken to recompute a mean request at half its output, less the
+    shared prefix the cache still holds."""
+    if window.has("recompute_tokens_total"):
+        return _steps(window, "recompute_tokens_total", n)
+    prompt, output, requests = (window.increase(k) for k in ("prompt_tokens_total", "generation_tokens_total", "requests_total"))
+    if not requests or prompt is None or output is None or not window.has("evictions_total"):
+        return np.zeros(n)
+    victim = max(0.0, prompt / requests - shared) + output / requests / 2
+    return _steps(window, "evictions_total", n) * victim
+
+
 def _prompt_counter(window: Window) -> str:
     """The prompt tokens looked up in the prefix cache, counted when they are scheduled (both
     engines' query counters), else the prompt tokens (SGLang counts those at a request's finish,
@@ -165,11 +181,14 @@ def _steps(window: Window, name: str, n: int) -> np.ndarray:
 
 
 def fit_law(pts: Points) -> StepLaw:
-    """The non-negative law with the least weighted squared relative error (every subset of
-    the four terms solved, the best one with no negative coefficient kept)."""
+    """The non-negative law with the least squared error, each interval weighted by its tokens
+    (every subset of the four terms solved, the best one with no negative coefficient kept): the
+    law's time over the window's tokens is then the time they took. A relative error would
+    favour the short intervals: on a noisy window (a loaded machine) it fitted a law half as
+    slow as the engine ran."""
     x = np.column_stack([np.ones(len(pts)), pts.decodes, pts.context, pts.prefill])
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    w = np.sqrt(pts.weight) / pts.itl  # relative error: each row divided by its observed ITL
+    w = np.sqrt(pts.weight)
     xs, ys = x / scale * w[:, None], pts.itl * w
     best: tuple[float, np.ndarray] | None = None
     for k in range(1, 5):

