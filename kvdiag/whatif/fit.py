@@ -235,6 +235,8 @@ def fit(window: Window) -> Fit:
     step = choose(window, deployment.roofline(), preset_known=dep_knobs[0].basis == "read")
     if step.used == "fitted":
         deployment = replace(deployment, step_law=step.law)
+        knobs = [replace(k, note="not in the series; the fitted step law times the replay, not this GPU") if k.name == "GPU" else k
+                 for k in knobs]  # fmt: skip
     knobs.append(Knob("step time", "fitted law" if step.used == "fitted" else f"{deployment.gpu} preset",
                       "read" if step.used == "fitted" else "assumed", step.describe()))  # fmt: skip
     return Fit(window.instance, window.engine, last.model, float(ts[0]), duration, interval, arrivals, prompt, output, hit,
