@@ -51,7 +51,7 @@ INTERVAL_S = 5.0  # scrape interval of every real run
 #: and doubles its tokens (the tiny model's pool is set in tokens, not by memory).
 FP8_FACTOR = 2
 #: The engines' own FP8 KV flag values on their CPU builds.
-FP8_FLAG = {"vllm": ("--kv-cache-dtype", "fp8"), "sglang": ("--kv-cache-dtype", "fp8_e5m2")}
+FP8_FLAG = {"vllm": ("--kv-cache-dtype", "fp8"), "sglang": ("--kv-cache-dtype", "fp8_e4m3")}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ def test_each_remedy_runs_the_real_engine_with_its_own_flags() -> None:
     assert real_change(vllm, Lever("dp", "2")) == (vllm, 2)  # two processes, the load split
     fp8, n = real_change(vllm, Lever("kv-dtype", "fp8"))
     assert n == 1 and fp8.pool_tokens == 2 * vllm.pool_tokens and fp8.args[-2:] == ("--kv-cache-dtype", "fp8")
-    assert real_change(sglang, Lever("kv-dtype", "fp8"))[0].args[-2:] == ("--kv-cache-dtype", "fp8_e5m2")
+    assert real_change(sglang, Lever("kv-dtype", "fp8"))[0].args[-2:] == ("--kv-cache-dtype", "fp8_e4m3")
     assert real_change(sglang, Lever("conservativeness", "0.3"))[0].args[-2:] == ("--schedule-conservativeness", "0.3")
     with pytest.raises(ValueError, match="no real re-run"):
         real_change(vllm, Lever("conservativeness", "0.3"))  # vLLM has no such flag
