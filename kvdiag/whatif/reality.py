@@ -154,12 +154,20 @@ def run_real(story: RealStory, spec: EngineSpec, replicas: int, workdir: Path, i
             run.ttfts = [r.ttft for r in driver.records if r.first_token is not None and r.ttft is not None and lo <= r.first_token <= hi]
         run.load_average = os.getloadavg()
     except Exception as exc:  # noqa: BLE001 (a remedy the engine refuses is its row, never the others')
-        run.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
+        run.error = f"{type(exc).__name__}: {_why(str(exc))}"[:300]
     finally:
         for e in engines:
             e.stop()
     run.wall_s = time.monotonic() - t0
     return run
+
+
+def _why(message: str) -> str:
+    """The line of an engine's failure that says why: its last exception line (a start that
+    failed carries the server log's tail, whose last line is the launcher killing its children)."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]
+    return (errors or lines or [""])[-1]
 
 
 # ------------------------------------------------------------------ the comparison

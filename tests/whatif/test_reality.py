@@ -64,3 +64,11 @@ def test_a_pair_holds_on_the_verdict_and_the_p99() -> None:
     assert not failed.ok and failed.errors is None and failed.as_json()["error"] == "RuntimeError: refused"
     line = reality.summary([ok, far, other, failed, replace(ok, remedy="calibration")])
     assert "1/4 within the goal" in line and "median |P99 TTFT error| over the remedies 20%" in line and "vllm ok" in line
+
+
+def test_a_failed_start_says_why() -> None:
+    log = "RuntimeError: sglang exited with 1 while starting:\n[x] Scheduler hit an exception: Traceback\n" \
+          "    raise ValueError(\"CPU FP8 KV cache requires Intel AMX support.\")\nValueError: CPU FP8 KV cache requires Intel AMX support.\n" \
+          "[x] kill_process_tree called: parent_pid=1"
+    assert reality._why(log) == "ValueError: CPU FP8 KV cache requires Intel AMX support."
+    assert reality._why("one line") == "one line" and reality._why("") == ""
