@@ -134,7 +134,7 @@ NUMERIC_FIELDS = (
 )
 
 #: Fields that hold a cumulative ``Histogram``.
-HISTOGRAM_FIELDS = ("ttft", "queue_time", "preemptions_per_request", "prompt_lengths", "output_lengths")
+HISTOGRAM_FIELDS = ("ttft", "queue_time", "itl", "preemptions_per_request", "prompt_lengths", "output_lengths")
 
 #: (part, whole) counter pairs: hits are a subset of queries, so a part above its whole makes
 #: the ratio above 1 and both figures suspect.
@@ -272,6 +272,9 @@ class PoolSample:
     # Latency histograms (cumulative).
     ttft: Histogram | None = None
     queue_time: Histogram | None = None
+    # Time between a request's consecutive output tokens (the decode step time it saw): the
+    # step-time model's evidence (``whatif.steptime``).
+    itl: Histogram | None = None
     # Prompt and generated tokens per finished request (cumulative histograms): the lengths'
     # spread, which the token counters (their sums) cannot give.
     prompt_lengths: Histogram | None = None

@@ -451,6 +451,21 @@ class Window:
         sum_inc = float(np.where(reset, sums[1:], np.diff(sums)).sum())
         return Histogram(bounds, tuple(float(x) for x in inc), sum_inc, total_inc)
 
+    def histogram_steps(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(end time, sum added, count added) of a histogram field over each interval between
+        its samples; an interval with a restart counts what came after it. None: never reported
+        or a single sample."""
+        built = self._histograms(name)
+        if built is None:
+            return None
+        _, ts, _, sums, totals = built
+        keep = counter_valid(totals)
+        ts, sums, totals = ts[keep], sums[keep], totals[keep]
+        if len(ts) < 2:
+            return None
+        reset = np.diff(totals) < 0
+        return ts[1:], np.where(reset, sums[1:], np.diff(sums)), np.where(reset, totals[1:], np.diff(totals))
+
     def quantile(self, q: float, name: str, since: float | None = None) -> QuantileEstimate | None:
         """``histogram_quantile(q, rate(name_bucket[window]))`` for this instance."""
         h = self.histogram_increase(name, since)

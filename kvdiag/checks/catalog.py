@@ -314,7 +314,7 @@ REMEDIES = {
                    "with ignore_eos is reserved at 1, and one whose max_tokens exceeds its answer on what it asked for), "
                    "hold about {reserve_tokens:,} more tokens ({reserve_share:.0%} of the pool). Finished requests got "
                    "{reserve_output:,.0f} output tokens each: clients' max_tokens closer to that frees the reserve. "
-                   "{reserve_scale} below 1 scales the reserve ratio down and {reserve_clip}=N caps the output charged "
+                   "{reserve_conservativeness} below 1 scales the reserve ratio down and {reserve_clip}=N caps the output charged "
                    "per request (set to 64, a real engine over-committed its pool to 0.99-1.00): both admit more and both risk "
                    "retracting and recomputing running requests when their outputs do run long.",
                    ""),

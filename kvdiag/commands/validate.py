@@ -53,7 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="the real stories on real vLLM / SGLang servers on this machine's CPU (docs/real-engines.md; "
                    "needs `bash scripts/real-env.sh ENGINE` first, several GB): scored against the engines' own decisions")  # fmt: skip
     p.add_argument("--whatif", action=argparse.BooleanOptionalAction,
-                   help="also run the what-if pairs (kvdiag.whatif.pairs) of the scenarios and engines selected "
+                   help="also run the what-if pairs (kvdiag.whatif.pairs) of the scenarios and engines selected; with "
+                   "--real, instead: record a real incident, predict each remedy from it and re-run the real engine "
+                   "under each (kvdiag.whatif.reality, docs/whatif-real.md) "
                    "(default: only when no --scenario is given)")  # fmt: skip
     return p
 
@@ -68,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvdiag validate: {', '.join(unknown)}: {'not a real story' if args.real else 'a real story (use --real)'}", file=sys.stderr)
         return EXIT_ERROR
+    if args.real and args.whatif:
+        from kvdiag.whatif.reality import validate_real_whatif
+
+        return validate_real_whatif(args, config)
     if args.real:
         from kvdiag.real.report import validate_real
 

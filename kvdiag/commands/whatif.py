@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_threshold_arguments(p)
     p.add_argument("--remedy", action="append", default=[], metavar="NAME[=VALUE]",
                    help="a remedy to replay (repeatable): max-running=N, mem-fraction=F, kv-dtype=fp8, tp=N, dp=N, "
-                   "l2-ratio=R; a bare name takes its default (default: fp8 KV, 2x TP, one more DP replica, the "
+                   "l2-ratio=R, pool=TOKENS, conservativeness=F (SGLang); a bare name takes its default (default: fp8 KV, 2x TP, one more DP replica, the "
                    "recommended admission limit, a higher memory fraction)")  # fmt: skip
     p.add_argument("--scale", default="auto", metavar="K|auto",
                    help="replay a scale model: pool, arrivals and admission caps divided by K, step times as at full "

@@ -31,8 +31,9 @@ class Knobs:
     data_parallel: str
     memory_fraction: str
     enable_metrics: str
-    reserve_scale: str | None = None  # scales the share of running requests' output admission reserves
-    reserve_clip: str | None = None  # caps the output admission charges one request
+    kv_pool_size: str  # the KV pool's size set directly
+    reserve_conservativeness: str  # how much of running requests' future output admission reserves ("" where none)
+    reserve_clip: str | None = None  # caps the output admission charges one request (None where none)
 
 
 @dataclass

@@ -99,6 +99,7 @@ WANTED = (
     P + "hicache_host_total_tokens",
     P + "time_to_first_token_seconds",
     P + "queue_time_seconds",
+    P + "inter_token_latency_seconds",
     P + "prompt_tokens_histogram",
     P + "generation_tokens_histogram",
     P + "num_retracted_input_tokens",
@@ -125,7 +126,8 @@ KNOBS = Knobs(
     data_parallel="--dp-size",
     memory_fraction="--mem-fraction-static",
     enable_metrics="--enable-metrics",
-    reserve_scale="--schedule-conservativeness",
+    kv_pool_size="--max-total-tokens",
+    reserve_conservativeness="--schedule-conservativeness",
     reserve_clip="SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION",
 )
 
@@ -217,6 +219,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
         ps.l2_tier = "HiCache host-memory tier"
     put_histogram(ps, "ttft", *fam("time_to_first_token_seconds"), split, sum_over=_STREAM)
     put_histogram(ps, "queue_time", *fam("queue_time_seconds"), split, sum_over=_STREAM)
+    put_histogram(ps, "itl", *fam("inter_token_latency_seconds"), split)
     put_histogram(ps, "prompt_lengths", *fam("prompt_tokens_histogram"), split)
     put_histogram(ps, "output_lengths", *fam("generation_tokens_histogram"), split)
     ps.check_parts()

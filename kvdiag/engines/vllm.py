@@ -67,6 +67,7 @@ WANTED = SIGNATURE + (
     P + "time_to_first_token_seconds",
     P + "request_queue_time_seconds",
     P + "time_in_queue_requests",
+    P + "inter_token_latency_seconds",
     P + "num_requests_waiting_by_reason",
     P + "num_requests_kv_fetch_by_stage",
     P + "request_num_preemptions",
@@ -86,6 +87,8 @@ KNOBS = Knobs(
     data_parallel="--data-parallel-size",
     memory_fraction="--gpu-memory-utilization",
     enable_metrics="(drop --disable-log-stats)",
+    kv_pool_size="--num-gpu-blocks-override (tokens / --block-size)",
+    reserve_conservativeness="",
 )
 
 ENABLE_HINT = "vLLM serves vllm:* metrics unless started with --disable-log-stats; drop that flag"
@@ -158,6 +161,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float, n_engines: int) -> Pool
     put_histogram(ps, "ttft", P + "time_to_first_token_seconds", expo.get(P + "time_to_first_token_seconds"), split)
     qname, qfam = first(expo, P + "request_queue_time_seconds", P + "time_in_queue_requests")
     put_histogram(ps, "queue_time", qname, qfam, split)
+    put_histogram(ps, "itl", P + "inter_token_latency_seconds", expo.get(P + "inter_token_latency_seconds"), split)
     put_histogram(ps, "prompt_lengths", P + "request_prompt_tokens", expo.get(P + "request_prompt_tokens"), split)
     put_histogram(ps, "output_lengths", P + "request_generation_tokens", expo.get(P + "request_generation_tokens"), split)
     ps.check_parts()

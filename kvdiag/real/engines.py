@@ -44,6 +44,7 @@ class EngineSpec:
     context_len: int = 1024
     block_size: int = 32  # vLLM's CPU attention needs a multiple of 32
     env: tuple[tuple[str, str], ...] = ()  # extra environment (e.g. SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION)
+    args: tuple[str, ...] = ()  # extra flags (a remedy's: --kv-cache-dtype, --schedule-conservativeness)
 
     def __post_init__(self) -> None:
         if self.engine not in envs.ENGINES:
@@ -57,12 +58,13 @@ class EngineSpec:
             return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common,
                     "--enforce-eager", "--max-model-len", str(self.context_len), "--block-size", str(self.block_size),
                     "--num-gpu-blocks-override", str(self.pool_tokens // self.block_size), "--max-num-seqs", str(self.max_running),
-                    "--max-num-batched-tokens", str(self.max_batched_tokens), "--enable-prefix-caching"]  # fmt: skip
+                    "--max-num-batched-tokens", str(self.max_batched_tokens), "--enable-prefix-caching", *self.args]  # fmt: skip
         return [str(python), "-m", "sglang.launch_server", "--model-path", str(model), *common,
                 "--device", "cpu", "--enable-metrics", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                 "--grammar-backend", "none", "--disable-cuda-graph", "--skip-server-warmup", "--tp", "1",
                 "--max-total-tokens", str(self.pool_tokens), "--max-running-requests", str(self.max_running),
-                "--chunked-prefill-size", str(self.max_batched_tokens), "--page-size", "1", "--context-length", str(self.context_len)]  # fmt: skip
+                "--chunked-prefill-size", str(self.max_batched_tokens), "--page-size", "1", "--context-length", str(self.context_len),
+                *self.args]  # fmt: skip
 
     def environment(self, truth: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "SGLANG_", "KVDIAG_"))}

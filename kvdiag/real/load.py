@@ -59,6 +59,10 @@ class Requests:
     prefix: float = 0.7  # share of each prompt that is the common prefix
     output: tuple[int, int] = (200, 600)
     extra_max_tokens: int = 0  # max_tokens = output + this (the client stops reading at output)
+    #: Run to the length by ``min_tokens`` = ``max_tokens`` instead of ``ignore_eos``: SGLang then
+    #: reserves a running request's remaining output times its new-token ratio (with ignore_eos,
+    #: all of it), as for a client that lets the model stop.
+    min_tokens: bool = False
 
 
 @dataclass
@@ -94,8 +98,13 @@ def _abort(r: requests.Response) -> None:
 class Driver:
     """Sends a load to ``url`` from threads; ``records`` grow as requests are sent."""
 
-    def __init__(self, url: str, shape: Requests, seed: int = 0) -> None:
-        self.url = url.rstrip("/") + "/v1/completions"
+    def __init__(self, url: str | list[str], shape: Requests, seed: int = 0) -> None:
+        """``url``: one server, or several that take the requests in turn (replicas behind a
+        round-robin router)."""
+        urls = [url] if isinstance(url, str) else url
+        self.urls = [u.rstrip("/") + "/v1/completions" for u in urls]
+        self.url = self.urls[0]
+        self._sent = 0
         self.shape = shape
         self.rng = random.Random(seed)
         letters = string.ascii_letters + string.digits + " "
@@ -119,10 +128,14 @@ class Driver:
         rec = Record(time.time(), n, output)
         with self._lock:
             self.records.append(rec)
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output + self.shape.extra_max_tokens,
-                "ignore_eos": True, "stream": True, "temperature": 1.0}  # fmt: skip
+        with self._lock:
+            url = self.urls[self._sent % len(self.urls)]
+            self._sent += 1
+        max_tokens = output + self.shape.extra_max_tokens
+        to_length = {"min_tokens": max_tokens} if self.shape.min_tokens else {"ignore_eos": True}
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, **to_length, "stream": True, "temperature": 1.0}
         try:
-            with requests.post(self.url, json=body, stream=True, timeout=(10, 3600)) as r:
+            with requests.post(url, json=body, stream=True, timeout=(10, 3600)) as r:
                 with self._lock:
                     if self._stop.is_set():
                         rec.error = "stopped"

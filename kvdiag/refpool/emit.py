@@ -32,6 +32,16 @@ VLLM_V0_TTFT_BUCKETS = VLLM_TTFT_BUCKETS[:16]  # V0 0.6/0.7 stopped at 10 s
 VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 VLLM_V0_LATENCY_BUCKETS = VLLM_LATENCY_BUCKETS[:15]  # V0 0.6/0.7 stopped at 60 s
 
+#: Inter-token latency: vLLM's ``inter_token_latency`` family (buckets.py@0.33.0) and SGLang's
+#: ``bucket_inter_token_latency`` (metrics_collector.py@0.5.23, 23 bounds).
+VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+SGLANG_ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6,
+    0.8, 1.0, 2.0, 4.0, 6.0, 8.0,
+)  # fmt: skip
+
 #: SGLang's token-length buckets (metrics_collector.py@0.5.23 ``default_bucket_prompt_tokens``),
 #: used by its prompt, uncached-prompt and generation histograms alike.
 SGLANG_LENGTH_BUCKETS = (
@@ -62,6 +72,8 @@ def vllm_length_buckets(max_model_len: int) -> tuple[float, ...]:
 _ALL_BOUNDS = tuple(
     sorted(set(SGLANG_TTFT_BUCKETS + SGLANG_QUEUE_BUCKETS + VLLM_TTFT_BUCKETS + VLLM_LATENCY_BUCKETS))
 )
+#: Every bound an inter-token latency histogram can have.
+_ITL_BOUNDS = tuple(sorted(set(VLLM_ITL_BUCKETS + SGLANG_ITL_BUCKETS)))
 #: Every bound a length histogram can have: SGLang's list and vLLM's series for any model length.
 _LENGTH_BOUNDS = tuple(sorted(set(SGLANG_LENGTH_BUCKETS + vllm_length_buckets(10**9))))
 
@@ -90,6 +102,13 @@ class Binned:
         self.total += v
         self.n += 1
 
+    def observe_n(self, v: float, n: int) -> None:
+        """``n`` observations of the same value (one decode step's inter-token latency for each
+        of its ``n`` decoding requests)."""
+        self.counts[bisect.bisect_left(self.union, v)] += n
+        self.total += v * n
+        self.n += n
+
     def add(self, other: Binned) -> None:
         """Fold in another instance's observations of the same quantity (a server's total)."""
         self.counts = [a + b for a, b in zip(self.counts, other.counts)]
@@ -110,6 +129,10 @@ class Binned:
 
 def _lengths() -> Binned:
     return Binned(_LENGTH_BOUNDS)
+
+
+def _itl() -> Binned:
+    return Binned(_ITL_BOUNDS)
 
 
 @dataclass
@@ -172,6 +195,9 @@ class EngineState:
     external_hit_tokens_total: int = 0
     ttft: Binned = field(default_factory=Binned)
     queue_time: Binned = field(default_factory=Binned)
+    # Time between a request's consecutive output tokens, once per token after its first (both
+    # engines' inter_token_latency_seconds): the decode step time as the requests saw it.
+    itl: Binned = field(default_factory=_itl)
     # Tokens per finished request, observed when it finishes (vLLM's request_prompt_tokens /
     # request_generation_tokens, SGLang's prompt / uncached prompt / generation histograms).
     prompt_lengths: Binned = field(default_factory=_lengths)
@@ -509,6 +535,8 @@ def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...],
         SGLANG_TTFT_BUCKETS,
         [(labels, total.ttft if share else Binned(), total.created) for labels, share in parts],
     )
+    w.histogram(P + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", SGLANG_ITL_BUCKETS,
+                [(base, total.itl, total.created)])  # fmt: skip
     w.counter(P + "prompt_tokens", "Number of prefill tokens processed.", series(lambda s: s.prompt_tokens_total))
     w.counter(P + "generation_tokens", "Number of generation tokens processed.", series(lambda s: s.generation_tokens_total))
     if v >= (0, 5, 23) and total.prompt_lengths.n:
@@ -532,7 +560,7 @@ def _sglang_tokenizer(w: _Writer, states: list[EngineState], v: tuple[int, ...],
 
 
 #: EngineState's histograms, which a server's tokenizer process sees summed over its engines.
-BINNED_FIELDS = ("ttft", "queue_time", "prompt_lengths", "uncached_prompt_lengths", "output_lengths")
+BINNED_FIELDS = ("ttft", "queue_time", "itl", "prompt_lengths", "uncached_prompt_lengths", "output_lengths")
 
 
 def _sum_states(states: list[EngineState]) -> EngineState:
@@ -653,6 +681,9 @@ def _vllm(
     ttft_bounds = VLLM_V0_TTFT_BUCKETS if v0 else VLLM_TTFT_BUCKETS
     lat_bounds = VLLM_V0_LATENCY_BUCKETS if v0 else VLLM_LATENCY_BUCKETS
     w.histogram(P + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft_bounds, [(labels(i), s.ttft, s.created) for i, s in enumerate(states)])
+    if v >= (0, 10):
+        w.histogram(P + "inter_token_latency_seconds", "Histogram of inter-token latency.", VLLM_ITL_BUCKETS,
+                    [(labels(i), s.itl, s.created) for i, s in enumerate(states)])  # fmt: skip
     queue_name = P + ("time_in_queue_requests" if v0 else "request_queue_time_seconds")
     w.histogram(queue_name, "Histogram of time spent in WAITING phase for request.", lat_bounds, [(labels(i), s.queue_time, s.created) for i, s in enumerate(states)])
     total_blocks = sum(s.capacity_tokens // s.block_size + 1 for s in states)  # + the null block each

@@ -14,6 +14,9 @@ is below the ridge point) and vLLM's mixed steps (both parts summed under one ma
 (query, key) pair; W(N) reads a MoE model's routed experts only as far as N tokens touch them.
 η_c, η_m, t_fixed and the link bandwidth are calibration assumptions, not engine facts.
 
+``LinearStep`` is the other law a replay can take: a step time fitted to an engine's own
+histograms (``whatif.steptime``), for hardware no GPU preset describes.
+
 ``ScaledRoofline`` times a scale model's step (whatif's 1/k replays) as the full-size step;
 it lives here, beside the class it extends, so that both compile together (mypyc: a class
 outside the compiled modules cannot extend a compiled one).
@@ -217,3 +220,52 @@ def _routed_expert_params(m: ModelSpec) -> float:
         return 0.0
     width = m.moe_intermediate or m.intermediate
     return float((m.layers - m.dense_layers) * m.experts * 3 * m.hidden * width)
+
+
+@dataclass(frozen=True)
+class StepLaw:
+    """A step's seconds as a linear law of its work, fitted to an engine's own metrics:
+
+        t = fixed + per_decode·B + per_context·C + per_prefill·P
+
+    B requests decoding one token each, over C cached context tokens in all, beside P prompt
+    tokens prefilled. Engines on hardware with no preset (a CPU, a GPU kvdiag does not list) run
+    steps whose cost is per-step overhead plus per-token work, which is what this says."""
+
+    fixed: float
+    per_decode: float
+    per_context: float
+    per_prefill: float
+
+    def seconds(self, decodes: float, context: float, prefill: float) -> float:
+        if not decodes and not prefill:
+            return 0.0
+        return self.fixed + self.per_decode * decodes + self.per_context * context + self.per_prefill * prefill
+
+
+pickle_by_fields(StepLaw)
+
+
+class LinearStep(Roofline):
+    """``Roofline``'s interface over a ``StepLaw`` (a subclass, so that the compiled engine loop
+    and topologies take it where they take a roofline): the model spec still gives the KV bytes
+    per token the metrics report; ``scale`` = k times a scale model's batch as the full-size one
+    (``ScaledRoofline``'s rule, without its prefill averaging: a linear law has no ridge to hide
+    prefill behind)."""
+
+    def __init__(self, law: StepLaw, model: ModelSpec | str, tp: int = 1, kv_dtype: str = "bf16", scale: float = 1.0) -> None:
+        super().__init__(model, "h100", tp, kv_dtype)
+        self.law = law
+        self.scale = scale
+
+    def cost(self, plan: StepPlan) -> StepCost:
+        (tokens, context, _), (p_tokens, _, _) = work(plan)
+        return self._cost(tokens, context, p_tokens)
+
+    def batch_cost(self, tokens: int, context: int, pairs: float) -> StepCost:
+        return self._cost(tokens, context, 0)
+
+    def _cost(self, decodes: int, context: int, prefill: int) -> StepCost:
+        k = self.scale
+        seconds = self.law.seconds(decodes * k, context * k, prefill * k)
+        return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, seconds)

@@ -301,6 +301,7 @@ class Simulation:
         self._unscheduled: set[SimRequest] = set()  # queue time not yet observed
         self._no_token: set[SimRequest] = set()  # TTFT not yet observed
         self._idle = False  # the idle iteration has run since the last step
+        self._itl_from: float | None = None  # when the running requests' last tokens came (None: none running)
 
     # -------------------------------------------------------------- driving
     def run_until(self, t: float) -> None:
@@ -410,12 +411,15 @@ class Simulation:
         end = start + dt
         finished = self.scheduler.update_from_output(plan, end)
         self.now = end
-        new_tokens, prefill = plan.decode_batch, False
+        new_tokens, prefill, decodes = plan.decode_batch, False, plan.decode_batch
         for c in plan.chunks:  # one pass: this runs every step over the whole batch
             new_tokens += c.num_new_tokens
             if c.is_prefill:
                 prefill = True
                 self._observe_first(c.req)
+            else:
+                decodes += 1
+        self._observe_itl(end, decodes, prefill)
         if finished and isinstance(self._arrivals, ClosedStream):
             self._clients_return(finished, end)
         for r in finished:
@@ -426,8 +430,22 @@ class Simulation:
             if r.first_token is not None:  # one aborted at the door is no finished request to either reference engine
                 self.metrics.state.observe_finished(len(r.prompt), len(r.output), r.device_hit_tokens + r.host_hit_tokens)
         truth = self.metrics.on_step()
+        if truth.running == 0:
+            self._itl_from = None
         if self.record_steps:
             self._log(plan, start, dt, new_tokens, prefill, truth)
+
+    def _observe_itl(self, end: float, decodes: int, prefill: bool) -> None:
+        """Inter-token latency as the engines observe it, once per token after a request's
+        first: each of a step's ``decodes`` waited since the last step that gave the running
+        requests a token (an SGLang prefill step between two decode steps delays them all), or
+        since the first token where the batch has just started."""
+        if decodes:
+            if self._itl_from is not None:
+                self.metrics.state.itl.observe_n(end - self._itl_from, decodes)
+            self._itl_from = end
+        elif prefill and self._itl_from is None:
+            self._itl_from = end
 
     def _fast_forward(self, t: float) -> bool:
         """Take the decode run the scheduler offers, up to the step that starts at or after
@@ -461,6 +479,7 @@ class Simulation:
             durations.append(dt)
             waiting.append(current.waiting)
             now, context = now + dt, context + n
+            self._observe_itl(now, n, False)
         if not starts:
             return False
         used = self.scheduler.advance_decode(len(starts))  # type: ignore[attr-defined]

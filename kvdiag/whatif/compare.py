@@ -43,6 +43,8 @@ class Errors:
     same_verdict: bool
     reference_verdict: str
     verdict: str
+    median_ttft: float | None = None  # relative, exact TTFTs only
+    running: float | None = None  # relative
 
     @property
     def problems(self) -> list[str]:
@@ -68,7 +70,9 @@ class Errors:
 
         usage = "n/a" if self.usage is None else f"{self.usage:+.2f}"
         verdict = "same verdict" if self.same_verdict else f"verdict {self.verdict} vs {self.reference_verdict}"
-        return (f"P99 TTFT {pct(self.p99_ttft)}, mean TTFT {pct(self.mean_ttft)}, usage {usage}, "
+        median = "" if self.median_ttft is None else f"median TTFT {pct(self.median_ttft)}, "
+        running = "" if self.running is None else f"running {pct(self.running)}, "
+        return (f"P99 TTFT {pct(self.p99_ttft)}, {median}mean TTFT {pct(self.mean_ttft)}, usage {usage}, {running}"
                 f"waiting {pct(self.waiting)}, evictions/min {pct(self.evictions_per_min)}, {verdict}")  # fmt: skip
 
     def as_json(self) -> dict[str, object]:
@@ -90,4 +94,6 @@ def errors(reference: Outcome, replayed: Outcome, exact: bool = False) -> Errors
         same_verdict=replayed.verdict in ACCEPTS.get(reference.verdict, {reference.verdict}),
         reference_verdict=reference.verdict,
         verdict=replayed.verdict,
+        median_ttft=relative(reference.median_ttft_sim, replayed.median_ttft_sim, FLOORS["mean_ttft"]) if exact else None,
+        running=relative(reference.running, replayed.running, FLOORS["waiting"]),
     )

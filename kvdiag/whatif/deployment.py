@@ -1,6 +1,8 @@
 """A deployment as a replay sees it: KV dtype, the pool its engine reported, a scale model.
 
-The catalogue's ``Deployment`` sizes its pool from the capacity model alone. A replay of an
+The catalogue's ``Deployment`` sizes its pool from the capacity model alone, and times its steps
+by a GPU preset's roofline; a replay may instead run at a step-time law fitted to the incident
+(``step_law``). A replay of an
 incident must start from the pool the engine reported, and a remedy changes it by what the
 capacity model says the change buys (``Sized``). A scale model (``scale`` = k > 1) divides the
 pool by k (the arrivals are divided alike, ``whatif.scale``) while each step takes as long as
@@ -14,7 +16,7 @@ from dataclasses import dataclass, fields
 
 from kvdiag import capacity
 from kvdiag.capacity import DTYPE_BYTES
-from kvdiag.refpool.roofline import Roofline, ScaledRoofline
+from kvdiag.refpool.roofline import LinearStep, Roofline, ScaledRoofline, StepLaw
 from kvdiag.refpool.scenarios import Deployment
 
 
@@ -29,6 +31,9 @@ class Sized(Deployment):
     kv_dtype: str = "bf16"
     reported_pool: int | None = None
     reported_as: Deployment | None = None
+    #: The step-time law fitted to the engine's own histograms (``whatif.steptime``), which the
+    #: replay runs at instead of the GPU preset's roofline; None: the preset.
+    step_law: StepLaw | None = None
     # ``scale`` (Deployment's): a scale model's k, the pool divided by it, step times as at full size
 
     @property
@@ -47,6 +52,8 @@ class Sized(Deployment):
         return round(pool / self.scale)
 
     def roofline(self) -> Roofline:
+        if self.step_law is not None:
+            return LinearStep(self.step_law, self.model, tp=self.tp, kv_dtype=self.kv_dtype, scale=self.scale)
         if self.scale != 1.0:
             return ScaledRoofline(self.scale, self.model, self.gpu, tp=self.tp, kv_dtype=self.kv_dtype)
         return Roofline(self.model, self.gpu, tp=self.tp, kv_dtype=self.kv_dtype)

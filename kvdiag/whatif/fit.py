@@ -16,6 +16,9 @@ What the series give, and what becomes of it:
 * **the pool**: its capacity in tokens and block size as reported; the model from the
   ``model_name`` label where it names a preset; TP and the memory fraction inferred as the pair
   that gives the reported pool on the GPU assumed; the L2 tier from its capacity series;
+* **step time**: a law fitted to the window's inter-token latency against its batch, context
+  and prefill (``steptime``), where the model has no preset or the preset does not explain it;
+  else the GPU preset's roofline;
 * **limits**: a running count pinned at one value while requests waited and the pool had room
   is the engine's admission cap (inferred); otherwise the reference engine's default (assumed).
 
@@ -25,7 +28,7 @@ traced to what was guessed. ``FitError`` says which series are missing when a fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -37,6 +40,7 @@ from kvdiag.refpool.workload import SharedPrefix, Workload, exponential_draws
 from kvdiag.whatif import lengths
 from kvdiag.whatif.deployment import Sized
 from kvdiag.whatif.lengths import LengthFit
+from kvdiag.whatif.steptime import StepFit, choose
 from kvdiag.window import Window, counter_steps
 
 #: Assumed spread of prompt and output lengths (log-normal sigma) where no length histogram is
@@ -127,6 +131,7 @@ class Fit:
     l2_ratio: float | None
     deployment: Sized
     knobs: tuple[Knob, ...]
+    step: StepFit | None = None  # the step-time law the replays run at, and why
 
     @property
     def rate(self) -> float:
@@ -177,6 +182,7 @@ class Fit:
             "max_running": self.max_running,
             "l2_ratio": self.l2_ratio,
             "knobs": [{"name": k.name, "value": k.value, "basis": k.basis, "note": k.note} for k in self.knobs],
+            "step_time": None if self.step is None else self.step.as_json(),
         }
 
 
@@ -226,8 +232,15 @@ def fit(window: Window) -> Fit:
         knobs.append(Knob("L2 tier", f"{l2:.2f} x L1", "read", _source(window, "l2_capacity_tokens")))
     deployment, dep_knobs = _deployment(last.model, pool)
     knobs.extend(dep_knobs)
+    step = choose(window, deployment.roofline(), preset_known=dep_knobs[0].basis == "read")
+    if step.used == "fitted":
+        deployment = replace(deployment, step_law=step.law)
+        knobs = [replace(k, note="not in the series; the fitted step law times the replay, not this GPU") if k.name == "GPU" else k
+                 for k in knobs]  # fmt: skip
+    knobs.append(Knob("step time", "fitted law" if step.used == "fitted" else f"{deployment.gpu} preset",
+                      "read" if step.used == "fitted" else "assumed", step.describe()))  # fmt: skip
     return Fit(window.instance, window.engine, last.model, float(ts[0]), duration, interval, arrivals, prompt, output, hit,
-               pool, cap, l2, deployment, tuple(knobs))  # fmt: skip
+               pool, cap, l2, deployment, tuple(knobs), step)  # fmt: skip
 
 
 #: (length histogram, token counter) of the prompt and of the output, per finished request.

@@ -1,5 +1,11 @@
 """The remedies as changes to a scenario: smaller KV per token, more L1, admission control.
 
+More L1 comes three ways: the pool set directly (``pool``: SGLang ``--max-total-tokens``, vLLM
+``--num-gpu-blocks-override``), a higher memory fraction, or TP / DP. Admission is capped by
+``max-running`` and, on SGLang, loosened or tightened by ``conservativeness``
+(``--schedule-conservativeness``: it scales the new-token ratio, the share of running requests'
+future output that admission reserves).
+
 A lever maps a ``Scenario`` (fitted from an incident, or one of the catalogue's) to the same
 scenario with the remedy applied. One function gives both sides of validate's what-if pairs:
 the prediction (the lever on the fitted scenario) and the truth (the lever on the scenario the
@@ -56,7 +62,8 @@ class Lever:
         except KeyError:
             return ""
         flags = {"max-running": k.admission_limit, "mem-fraction": k.memory_fraction, "kv-dtype": k.kv_dtype_fp8,
-                 "tp": k.tensor_parallel, "dp": k.data_parallel}  # fmt: skip
+                 "tp": k.tensor_parallel, "dp": k.data_parallel, "pool": k.kv_pool_size,
+                 "conservativeness": k.reserve_conservativeness}  # fmt: skip
         return flags.get(self.name, "")
 
 
@@ -88,6 +95,25 @@ def _kv_dtype(sc: Scenario, value: str) -> Scenario:
     if value not in DTYPE_BYTES:
         raise LeverError(f"kv-dtype={value!r}: expected one of {', '.join(DTYPE_BYTES)}")
     return _deploy(kv_dtype=value)(sc)
+
+
+def _pool(sc: Scenario, value: str) -> Scenario:
+    """The pool set to ``value`` tokens as the engine would report it, whatever the deployment
+    (the capacity model's later changes, FP8 say, scale from it)."""
+    n = _positive_int(value, "pool")
+    d = sized(sc.deployment)
+    base = replace(d, reported_pool=None, reported_as=None, scale=1.0)
+    return replace(sc, deployment=replace(d, reported_pool=n, reported_as=base))
+
+
+def _conservativeness(sc: Scenario, value: str) -> Scenario:
+    try:
+        f = float(value)
+    except ValueError:
+        raise LeverError(f"conservativeness={value!r}: expected a number") from None
+    if not f >= 0:  # SGLang's own check (validation_hook: non-negative)
+        raise LeverError(f"conservativeness={value}: must be at least 0")
+    return replace(sc, sglang_conservativeness=f)
 
 
 def _dp(sc: Scenario, value: str) -> Scenario:
@@ -123,6 +149,8 @@ APPLY: dict[str, Callable[[Scenario, str], Scenario]] = {
     "tp": lambda sc, v: _deploy(tp=_positive_int(v, "tp"))(sc),
     "dp": _dp,
     "l2-ratio": lambda sc, v: replace(sc, l2_ratio=_fraction(v, "l2-ratio", 1e6)),
+    "pool": _pool,
+    "conservativeness": _conservativeness,
 }
 
 

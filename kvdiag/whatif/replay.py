@@ -44,9 +44,12 @@ class Outcome:
     throughput: float | None  # generated tokens per second
     verdict: str
     replicas: int = 1
-    #: P99 over the simulated requests' own TTFTs (replays only): exact, where the histogram's
-    #: P99 is interpolated inside buckets as wide as 10-20 s.
+    #: P99 over the requests' own TTFTs, exact where the histogram's P99 is interpolated inside
+    #: buckets as wide as 10-20 s: the simulated requests' in a replay, the clients' measured ones
+    #: on a real engine (``whatif.reality``); None where only the metrics are known.
     p99_ttft_sim: float | None = None
+    median_ttft_sim: float | None = None  # the same requests' median TTFT
+    running: float | None = None  # mean running requests (summed over replicas)
 
     def as_json(self) -> dict[str, object]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -66,7 +69,7 @@ def measure(windows: Sequence[Window], config: Config) -> Outcome:
         return [float(np.nanmean(w.column(name))) for w in windows if w.has(name)]
 
     minutes = max(w.duration for w in windows) / 60.0
-    usage, waiting = mean("usage_ratio"), mean("waiting")
+    usage, waiting, running = mean("usage_ratio"), mean("waiting"), mean("running")
     evictions = [w.increase("evictions_total") for w in windows]
     generated = [w.increase("generation_tokens_total") for w in windows]
     hists = [h for h in (w.histogram_increase("ttft") for w in windows) if h is not None and h.count > 0]
@@ -87,6 +90,7 @@ def measure(windows: Sequence[Window], config: Config) -> Outcome:
         throughput=sum(generated) / (minutes * 60) if minutes > 0 and None not in generated else None,  # type: ignore[arg-type]
         verdict=worst.name,
         replicas=len(windows),
+        running=float(np.sum(running)) if running else None,
     )
 
 
@@ -107,7 +111,14 @@ def replay(scenario: Scenario, engine: str, interval: float, config: Config) -> 
     exact P99 TTFT of the requests whose first token came within the scraped span."""
     windows, run = emitted(scenario, engine, interval)
     ttfts = [r.ttft for sim in run.sims for r in sim.records if r.first_token is not None and r.first_token >= interval]
-    return replace(measure(windows, config), p99_ttft_sim=float(np.quantile(ttfts, 0.99)) if ttfts else None)
+    return with_ttfts(measure(windows, config), ttfts)
+
+
+def with_ttfts(outcome: Outcome, ttfts: Sequence[float]) -> Outcome:
+    """``outcome`` with the exact P99 and median of these requests' TTFTs (None: no request)."""
+    if not ttfts:
+        return outcome
+    return replace(outcome, p99_ttft_sim=float(np.quantile(ttfts, 0.99)), median_ttft_sim=float(np.median(ttfts)))
 
 
 @dataclass(frozen=True)

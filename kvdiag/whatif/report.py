@@ -144,6 +144,8 @@ def render(console: Console, results: list[WhatIf]) -> None:
         console.print(Fitted(knobs, drop=("from",)))
         console.print(Fitted(_table(w), drop=("lever", "mean TTFT", "tokens/s")))
         console.print(w.quality(), style="red" if w.fit_errors is None or not w.fit_errors.good else "green", highlight=False)
+        if f.step is not None:
+            console.print(f"step time: {f.step.describe()}", highlight=False)
         if w.scale_line():
             console.print(w.scale_line(), style="green" if w.scale_errors and w.scale_errors.good else "red", highlight=False)
         assumed = ", ".join(k.name for k in f.assumed)
@@ -167,6 +169,7 @@ def html_section(w: WhatIf) -> str:
         "<h3>what if: the window replayed through the reference engine under each remedy</h3>"
         f"<p class='{'' if good else 'st firing'}'>{e(w.quality())}</p>"
         + (f"<p>{e(w.scale_line())}</p>" if w.scale_line() else "")
+        + (f"<p>step time: {e(w.fit.step.describe())}</p>" if w.fit.step is not None else "")
         + f"<table class='whatif'><tr>{''.join(f'<th>{e(h)}</th>' for h in ('run', *HEADERS, 'lever'))}</tr>{body}</table>"
         f"<details><summary>fitted knobs (P99 TTFT tolerance {TOLERANCE:.0%})</summary><table class='knobs'>"
         f"<tr><th>knob</th><th>value</th><th>basis</th><th>from</th></tr>{knobs}</table></details>"

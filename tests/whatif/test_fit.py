@@ -244,3 +244,27 @@ def test_auto_scale_keeps_small_windows_at_full_size_and_a_busy_batch_in_the_mod
     assert auto_scale(20_000, 2_000) == 4.0  # brought to MAX_REQUESTS
     assert auto_scale(100_000, MIN_RUNNING - 1) == 1.0  # too few running for any model
     assert auto_scale(100_000, None) == 1.0  # running unknown: no guess
+
+
+def test_the_pool_and_conservativeness_levers() -> None:
+    """``pool`` sets L1 to the tokens given whatever the deployment (FP8 then doubles that), and
+    ``conservativeness`` reaches SGLang's new-token ratio as SGLang sets it (init 0.7 x c, at most 1)."""
+    from kvdiag.refpool.scenarios import make_scheduler
+
+    sc = replace(SCENARIOS["noisy-healthy"], duration=60.0)
+    assert Lever("pool", "5000").apply(sc).deployment.pool_tokens == 5000
+    assert Lever("kv-dtype", "fp8").apply(Lever("pool", "5000").apply(sc)).deployment.pool_tokens == pytest.approx(10000, abs=2)
+    fitted = fit(story("noisy-healthy", "vllm", 120.0)[0]).scenario()  # a reported pool: replaced, not scaled
+    assert Lever("pool", "2048").apply(fitted).deployment.pool_tokens == 2048
+    loose = Lever("conservativeness", "0.5").apply(sc)
+    assert loose.sglang_conservativeness == 0.5
+    ratio = make_scheduler(loose, "sglang")().ratio  # type: ignore[attr-defined]
+    assert ratio.init == pytest.approx(0.35) and ratio.min == pytest.approx(0.35 * 0.14)
+    assert make_scheduler(Lever("conservativeness", "2").apply(sc), "sglang")().ratio.init == 1.0  # type: ignore[attr-defined]
+    for bad, why in (("pool=0", "at least 1"), ("conservativeness=-1", "at least 0"), ("conservativeness=x", "a number")):
+        name, value = bad.split("=")
+        with pytest.raises(LeverError, match=why):
+            Lever(name, value).apply(sc)
+    assert Lever("pool", "1").flag("sglang") == "--max-total-tokens"
+    assert Lever("conservativeness", "1").flag("sglang") == "--schedule-conservativeness"
+    assert Lever("conservativeness", "1").flag("vllm") == ""
