@@ -54,3 +54,27 @@ def test_demo_reaches_the_l1_verdicts_on_the_reference_engines() -> None:
     assert proc.stdout.count("meta-llama/Meta-Llama-3-70B-Instruct") >= 2  # the model, whole, in each diagnosis
     assert "…" not in proc.stdout
     assert all(len(line) <= 80 for line in lines if not line.startswith(("t=", "exporter:", "sglang http")))
+
+
+class _NoInstances:
+    """An exporter that has read nothing yet: the live view shows its header alone."""
+
+    def instances(self) -> list:
+        return []
+
+
+def test_a_piped_live_view_ends_its_last_frame_with_a_newline() -> None:
+    """In a pipe the live view's last frame and whatever follows (the report) are separate lines."""
+    import io
+
+    from rich.console import Console
+
+    from kvdiag.commands.demo import watch
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=80)
+    watch(console, _NoInstances(), {}, duration=1.0, interval=0.0, live_view=True, header="story t={t:.0f}s")
+    console.print("REPORT")
+    lines = out.getvalue().splitlines()
+    assert "story t=" in out.getvalue()  # the live view drew a frame
+    assert "REPORT" in lines

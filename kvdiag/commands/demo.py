@@ -243,6 +243,10 @@ def watch(console: Console, exporter: Exporter, clocks: dict[str, StoryClock], d
             else:
                 for r in rows:
                     console.print(_line(r), highlight=False, soft_wrap=True)
+    if live_view and not console.is_terminal:
+        # rich ends a live view with a newline on a terminal only: in a pipe the last frame's
+        # final line would run straight into whatever is printed next (the report's first panel)
+        console.line()
     return rows
 
 
