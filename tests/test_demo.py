@@ -69,7 +69,7 @@ def test_a_piped_live_view_ends_its_last_frame_with_a_newline() -> None:
 
     from rich.console import Console
 
-    from kvdiag.commands.demo import watch
+    from kvdiag.report.live import watch
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=80)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiag.commands.demo import StoryClock, wall_config
+from kvdiag.commands.demo import wall_config
+from kvdiag.report.live import StoryClock
 from kvdiag.config import Config
 from kvdiag.model import PoolSample
 from kvdiag.server.ring import Ring

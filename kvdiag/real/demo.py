@@ -17,8 +17,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvdiag.commands.demo import STORY as CHECKS
-from kvdiag.commands.demo import Exporter, StoryClock, watch
+from kvdiag.report.live import STORY as CHECKS
+from kvdiag.report.live import Exporter, StoryClock, watch
 from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.engines import Engine
