@@ -8,7 +8,7 @@ engine recomputes requests. Each log is then wrapped as plain, ``kubectl logs --
 json-file driver (compact and spaced, cut at 16 KiB, cut at 200 bytes so that every engine line
 is joined from records, and with the other stream's lines in between), and each file must read
 right: verdict, fields, and no ``ok`` for a field the log could not carry (vLLM never prints its
-preemption count, so E is unknown and so is the verdict, by the decision table's rule).
+preemption count, so E is unknown and the verdict is the least one the pool's signals prove).
 
 Needs ``KVDIAG_ENGINE_SRC`` (``scripts/engine-src.sh``, which ``make test`` runs): without it the
 tests skip, and under CI they fail. Cost: two engine runs (~2 s) and 18 in-process diagnoses.
@@ -122,12 +122,13 @@ def test_engine_logs_read_right_in_every_wrapper(engine: str, wrapper: str, tmp_
     if engine == "sglang":  # every retraction is logged
         assert (inst["verdict"], code, e["status"]) == ("l1_kv_bottleneck", 2, "firing")
         assert 0 < e["evidence"]["increase"] <= e["evidence"]["counter_last"] == log.truth["evictions"]
-    else:  # the engine preempted, but its stats line cannot say so: E unknown, and so the verdict
-        assert (inst["verdict"], code, e["status"]) == ("unknown", 3, "unknown")
+    else:  # the engine preempted, but its stats line cannot say so: E unknown; pinned and queued
+        # name the pool whatever E is, so the least of those verdicts
+        assert (inst["verdict"], code, e["status"]) == ("l1_kv_pressure", 1, "unknown")
         assert e["missing"] == ["evictions_total"]
         summary = e["evidence"]["summary"]
         assert f"vLLM {log.truth['version']} ({path}:" in summary and "vllm:num_preemptions_total" in summary
-        assert "the answer would be one of l1_kv_bottleneck, l1_kv_pressure" in inst["reason"]
+        assert "the pool is the answer either way, l1_kv_bottleneck if it fires" in inst["reason"]
         assert "Preemptions" in inst["reason"]
 
 

@@ -95,6 +95,7 @@ STORIES = (
     Story("vllm-idle", "vllm", "0.33.0", (IDLE,), ("healthy",)),
     Story("vllm-restart-no-false-evictions", "vllm", "0.33.0",
           (Engine(usage=0.99, restart_at=6.0, evictions_before_restart=50),), ("near_kv_capacity",)),
+    # evictions unknown (no retraction counter), but pinned and queued: pressure at least (issue 28)
     Story("sglang-0.5.3-no-retract-counter", "sglang", "0.5.3", (Engine(usage=0.99, waiting_per_s=0.8, evictions_per_s=0.5),),
-          ("unknown",)),
+          ("l1_kv_pressure",)),
 )

@@ -130,8 +130,10 @@ CASES = (
     Case("sglang DP: near capacity on one engine, queue without KV pressure on the other", "sglang",
          (Eng(usage="0.97", running="48", evictions=None), Eng(usage="0.5", waiting=f"0+2x{STEPS}", evictions=None)),
          (("KvdiagKVPoolNearCapacity", 0), ("KvdiagQueueWithoutKVPressure", 1)), dp=True),
-    Case("sglang 0.5.3 without the retraction counter: unknown", "sglang",
-         (Eng(usage="0.99", running="48", waiting=f"0+2x{STEPS}", legacy=True),), (("KvdiagEngineMetricsAbsent", 0),)),
+    # pinned and queued with evictions unknown: every reading of them names the pool, so the
+    # least of those verdicts (issue 28), not unknown
+    Case("sglang 0.5.3 without the retraction counter: pressure", "sglang",
+         (Eng(usage="0.99", running="48", waiting=f"0+2x{STEPS}", legacy=True),), (("KvdiagL1KVPoolPressure", 0),)),
     Case("sglang 0.5.3 idle without the retraction counter: healthy, no alert", "sglang",
          (Eng(usage="0", running="0", requests=f"0x{STEPS}", legacy=True),), ()),
     Case("vllm DP: bottleneck and a slow, cache-healthy engine 0; engine 1 fine", "vllm", (SATURATED, BUSY),
