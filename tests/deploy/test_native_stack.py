@@ -44,7 +44,8 @@ BUDGET_S = hang_guard(25)  # from every target up to the alert firing (about 25 
 
 
 def _get(url: str, **params: str) -> Any:
-    r = requests.get(url, params=params, timeout=10)
+    # a query on a loaded machine can take seconds: the timeout is a hang guard, the waits retry
+    r = requests.get(url, params=params, timeout=hang_guard(6))
     r.raise_for_status()
     return r.json()
 
