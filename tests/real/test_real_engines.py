@@ -36,6 +36,7 @@ from kvdiag.real.report import line
 from kvdiag.real.stories import StoryRun, run_story, wait_idle
 from kvdiag.refpool.validate import L1_VERDICTS
 from kvdiag.sources.recording import read_recording
+from tests.conftest import hang_guard
 from tests.deploy import stack
 from tests.deploy.test_native_stack import ALERT, _get, _on, _rules, _running, _up_jobs
 from tests.mixin.prom import Process
@@ -167,16 +168,16 @@ def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
     driver = _overload(vllm)
     try:
         with _running(processes):
-            Process.wait(lambda: _up_jobs(prom) == {"sglang", "vllm", "kvdiag"}, 120, "Prometheus to scrape every job")
+            Process.wait(lambda: _up_jobs(prom) == {"sglang", "vllm", "kvdiag"}, hang_guard(60), "Prometheus to scrape every job")
             firing = Process.wait(lambda: next((a for a in (_on(target, [x for x in _get(prom + "/api/v1/alerts")["data"]["alerts"]
                                                                              if x["labels"]["alertname"] in ALERTS and x["state"] == "firing"]),) if a), None),
                                   STACK_BUDGET_S, "an L1 alert to fire for the real vLLM in Prometheus")  # fmt: skip
             assert firing["labels"]["job"] == "vllm"
             received = Process.wait(lambda: next((a for a in _get(am + "/api/v2/alerts") if a["labels"]["alertname"] in ALERTS
-                                                  and a["labels"]["instance"] == target), None), 60, "the alert to reach Alertmanager")  # fmt: skip
+                                                  and a["labels"]["instance"] == target), None), hang_guard(60), "the alert to reach Alertmanager")  # fmt: skip
             assert received["status"]["state"] == "active"
             l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict=~"l1_kv_bottleneck|l1_kv_pressure"} == 1'
-            Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], 120, "the exporter's L1 verdict for vLLM in Prometheus")
+            Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], hang_guard(60), "the exporter's L1 verdict for vLLM in Prometheus")
             live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", vllm.url, "--interval", "5s", "--duration", "30s",
                                    "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
             (inst,) = json.loads(live.stdout)["instances"]
