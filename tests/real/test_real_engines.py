@@ -178,6 +178,8 @@ def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
             assert received["status"]["state"] == "active"
             l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict=~"l1_kv_bottleneck|l1_kv_pressure"} == 1'
             Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], hang_guard(60), "the exporter's L1 verdict for vLLM in Prometheus")
+            driver.stop()
+            driver = _overload(vllm)  # the live diagnosis samples the engine while it is overloaded
             live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", vllm.url, "--interval", "5s", "--duration", "30s",
                                    "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
             (inst,) = json.loads(live.stdout)["instances"]
