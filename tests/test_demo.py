@@ -69,11 +69,11 @@ def test_a_piped_live_view_ends_its_last_frame_with_a_newline() -> None:
 
     from rich.console import Console
 
-    from kvdiag.report.live import watch
+    from kvdiag.report.live import deadline, watch
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=80)
-    watch(console, _NoInstances(), {}, duration=1.0, interval=0.0, live_view=True, header="story t={t:.0f}s")
+    watch(console, _NoInstances(), {}, deadline(0.0), interval=0.0, live_view=True, header="story t={t:.0f}s")
     console.print("REPORT")
     lines = out.getvalue().splitlines()
     assert "story t=" in out.getvalue()  # the live view drew a frame

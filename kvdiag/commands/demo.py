@@ -37,7 +37,8 @@ from kvdiag.report.live import STORY, Exporter, StoryClock, watch
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo")
-    p.add_argument("--duration", type=float, help="wall seconds to run (default 40; with --real 240)")
+    p.add_argument("--duration", type=float,
+                   help="wall seconds of story at --speed (default 40; with --real 240); a busy machine takes longer to tell it")  # fmt: skip
     p.add_argument("--speed", type=float, default=12.0, help="simulated seconds per wall second (default 12)")
     p.add_argument("--interval", type=float, default=1.0, help="wall seconds between scrapes (default 1; with --real 5)")
     p.add_argument("--no-live", action="store_true", help="plain timestamped lines instead of a live view")
@@ -107,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     header = (f"story t={{t:.0f}}s (simulated, {args.speed:g}x the wall clock); checks over the last "
               f"{STORY.window:g}s of the story; rates per simulated minute")  # fmt: skip
     try:
-        rows = watch(console, exporter, clocks, args.duration, args.interval, not args.no_live, header)
+        story_end = args.duration * args.speed
+        rows = watch(console, exporter, clocks, lambda: all(c.reached(story_end) for c in clocks.values()), args.interval,
+                     not args.no_live, header)  # fmt: skip
     finally:
         stop.set()
         for driver in drivers:

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvdiag.report.live import STORY as CHECKS
-from kvdiag.report.live import Exporter, StoryClock, watch
+from kvdiag.report.live import Exporter, StoryClock, deadline, watch
 from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.engines import Engine
@@ -60,7 +60,7 @@ def run_real(args: argparse.Namespace, console: Console) -> int:
                 threading.Thread(target=driver.run, args=(load,), daemon=True).start()
                 drivers.append(driver)
             header = "t={t:.0f}s on real engines (wall clock); checks over the last " f"{CHECKS.window:g}s; rates per minute"
-            rows = watch(console, exporter, clocks, duration, interval, not args.no_live, header)
+            rows = watch(console, exporter, clocks, deadline(duration), interval, not args.no_live, header)
         finally:
             for d in drivers:
                 d.stop()

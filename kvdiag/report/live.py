@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from rich.console import Console, Group
@@ -53,6 +54,11 @@ class StoryClock:
             if not self._wall:
                 return np.asarray(wall, dtype=float)
             return np.interp(wall, self._wall, self._story)
+
+    def reached(self, story_seconds: float) -> bool:
+        """Whether the engine has served a scrape ``story_seconds`` or more into the story."""
+        with self._lock:
+            return bool(self._story) and self._story[-1] >= self.origin + story_seconds
 
 
 
@@ -176,14 +182,23 @@ def _view(rows: list[Row], header: str) -> Group:
     return Group(*parts)
 
 
-def watch(console: Console, exporter: Exporter, clocks: dict[str, StoryClock], duration: float, interval: float,
+def deadline(seconds: float) -> Callable[[], bool]:
+    """``watch``'s end after ``seconds`` of wall time from now."""
+    end = time.monotonic() + seconds
+    return lambda: time.monotonic() >= end
+
+
+def watch(console: Console, exporter: Exporter, clocks: dict[str, StoryClock], done: Callable[[], bool], interval: float,
           live_view: bool, header: str) -> list[Row]:  # fmt: skip
-    """The exporter's instances every ``interval`` for ``duration`` wall seconds, live (or one
-    line per instance per tick); returns the last rows."""
+    """The exporter's instances every ``interval`` until ``done()`` (checked before each tick,
+    so the tick after it turns true is the last), live (or one line per instance per tick);
+    returns the last rows. A simulated story ends when every engine has served its end, however
+    long a busy machine takes to get there; a real one after its wall time."""
     rows: list[Row] = []
     with Live(console=console, auto_refresh=False) if live_view else contextlib.nullcontext() as live:
-        end = time.monotonic() + duration
-        while time.monotonic() < end:
+        last = False
+        while not last:
+            last = done()
             time.sleep(interval)
             rows = [r for t, i in exporter.instances() if (r := Row.of(i, clocks[t])) is not None]
             if live is not None:
