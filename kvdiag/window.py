@@ -23,6 +23,35 @@ from kvdiag.model import COUNTER_FIELDS, HISTOGRAM_FIELDS, NUMERIC_FIELDS, PARTS
 #: Each part counter to its whole (hits to queries), from the model's (part, whole) pairs.
 _WHOLE = {part: whole for part, whole in PARTS if part in COUNTER_FIELDS and whole in COUNTER_FIELDS}
 
+#: The scheduler's gauges, which an engine publishes together from one snapshot of its state.
+#: A scrape in which they read an empty engine that its own request counter says cannot be
+#: empty (``empty_readings``) is a snapshot of nothing: these fields are absent at it.
+SCHEDULER_GAUGES = ("usage_ratio", "used_tokens", "evictable_tokens", "available_tokens", "running", "waiting",
+                    "waiting_capacity", "waiting_deferred", "transfers_in_flight")  # fmt: skip
+
+
+def empty_readings(running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, finished: np.ndarray) -> np.ndarray:
+    """Scrapes whose scheduler gauges read an empty engine (nothing running or waiting, the
+    pool's usage 0 or absent) although the requests in it at the last believable scrape have
+    not all finished since (``finished``, the finished-request counter, rose by less than
+    their number, and did not restart). Requests leave an engine only by finishing, so such a
+    reading is impossible. Seen on real vLLM 0.32 under a saturating closed loop scraped by
+    Prometheus, an exporter and ``diagnose`` at once: running, waiting and KV usage all 0 in 7
+    of 24 scrapes while the counters kept rising, which otherwise reads a pinned pool as idle."""
+    out = np.zeros(len(running), dtype=bool)
+    held: float | None = None  # requests in the engine at the last believable scrape
+    done_then = math.nan  # the finished counter then
+    for i in range(len(running)):
+        r, w, u, f = float(running[i]), float(waiting[i]), float(usage[i]), float(finished[i])
+        if math.isnan(r) or math.isnan(w):
+            continue
+        empty = r == 0 and w == 0 and (math.isnan(u) or u == 0)
+        if empty and held and not math.isnan(f) and not math.isnan(done_then) and done_then <= f < done_then + held:
+            out[i] = True
+            continue
+        held, done_then = r + w, f
+    return out
+
 
 @dataclass(frozen=True)
 class QuantileEstimate:
@@ -213,6 +242,7 @@ class Window:
         self._hists: dict[str, HistogramColumns | None] = {}
         self._valid: dict[str, np.ndarray] = {}  # columns with impossible counter samples absent
         self._outgrown: dict[str, str] = {}  # part counters that outgrew their whole, and how
+        self._empty: np.ndarray | None = None  # scrapes whose scheduler gauges read an impossible empty engine
 
     @classmethod
     def from_columns(
@@ -238,6 +268,7 @@ class Window:
         w._columns = {"ts": np.asarray(ts, dtype=float), **columns}
         w._valid = {}
         w._outgrown = {}
+        w._empty = None
         w._hists = dict(histograms)
         return w
 
@@ -298,6 +329,9 @@ class Window:
             first = next((s.provenance[name] for s in self._samples if name in s.provenance), None)
         dropped = self.invalid_samples(name)
         whys = [f"{dropped} sample{'s' if dropped > 1 else ''} in the window decreased without a restart; left out"] if dropped else []
+        empty = int(self._empty_readings().sum()) if name in SCHEDULER_GAUGES else 0
+        if empty:
+            whys.append(f"{empty} scrape{'s' if empty > 1 else ''} read an empty engine while its requests had not finished; left out")
         if name in _WHOLE:
             self.column(name)  # finds whether the part outgrew its whole
         if name in self._outgrown:
@@ -348,8 +382,21 @@ class Window:
             whole = _WHOLE.get(name)
             if whole is not None:
                 col = self._within(name, col, whole)
+            if name in SCHEDULER_GAUGES and self._empty_readings().any():
+                col = np.where(self._empty_readings(), np.nan, col)
             self._valid[name] = col
         return col
+
+    def _empty_readings(self) -> np.ndarray:
+        """``empty_readings`` over this window (computed once). Not judged where requests
+        leave an instance without finishing there (a prefill or decode role hands them on)."""
+        if self._empty is None:
+            if self._last.role in ("prefill", "decode"):
+                self._empty = np.zeros(len(self.column("ts")), dtype=bool)
+            else:
+                self._empty = empty_readings(*(self._reported(n) for n in ("running", "waiting", "usage_ratio")),
+                                             self.column("requests_total"))  # fmt: skip
+        return self._empty
 
     def _within(self, part: str, col: np.ndarray, whole: str) -> np.ndarray:
         """A part counter (hits) whose increase over the window exceeds its whole's (queries)

@@ -77,3 +77,58 @@ def test_histogram_restart_where_a_bucket_refills_past_its_old_count() -> None:
     w = Window("i", [_sample(0, ttft=h((5.0, 100.0))), _sample(5, ttft=h((10.0, 10.0)))])
     inc = w.histogram_increase("ttft")
     assert inc.counts == (10.0, 10.0) and inc.count == 10.0
+
+
+def _busy(ts: float, finished: float, running: float = 7.0, waiting: float = 17.0, usage: float = 0.97, **kw: object) -> PoolSample:
+    return _sample(ts, running=running, waiting=waiting, usage_ratio=usage, requests_total=finished, **kw)
+
+
+def test_an_empty_reading_of_a_busy_engine_is_absent() -> None:
+    """Real vLLM 0.32 under a saturating closed loop, scraped by three readers at once, read
+    running, waiting and KV usage all 0 in some scrapes while its counters kept rising. 24
+    requests were in it; 5 finished before the next scrape: it cannot be empty."""
+    w = Window("i", [_busy(0, 100), _busy(5, 103, 0.0, 0.0, 0.0), _busy(10, 105, 0.0, 0.0, 0.0), _busy(15, 108)])
+    assert np.isnan(w.column("usage_ratio")[1:3]).all() and np.isnan(w.column("waiting")[1:3]).all()
+    assert w.points("running")[1].tolist() == [7.0, 7.0]
+    note = w.provenance("usage_ratio")[1]
+    assert note is None or "2 scrapes read an empty engine" in note.note  # where the adapter recorded provenance
+    assert w.column("requests_total").tolist() == [100, 103, 105, 108]  # counters stay as read
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        # everything in it finished (24 requests) before the empty reading: a real lull
+        [_busy(0, 100), _busy(5, 124, 0.0, 0.0, 0.0), _busy(10, 124, 2.0, 0.0)],
+        # a restart between the readings (the counter fell): the requests were lost with it
+        [_busy(0, 100), _busy(5, 3, 0.0, 0.0, 0.0)],
+        # no finished-request counter: nothing says the reading is impossible
+        [_sample(0, running=7.0, waiting=17.0), _sample(5, running=0.0, waiting=0.0)],
+        # the pool still holds KV: not the empty snapshot
+        [_busy(0, 100), _busy(5, 101, 0.0, 0.0, 0.4)],
+        # a prefill instance hands its requests on without finishing them
+        [_busy(0, 100, role="prefill"), _busy(5, 100, 0.0, 0.0, 0.0, role="prefill")],
+    ],
+)
+def test_a_believable_empty_reading_stays(samples: list[PoolSample]) -> None:
+    w = Window("i", samples)
+    assert not np.isnan(w.column("running")).any() and not np.isnan(w.column("waiting")).any()
+
+
+def test_empty_readings_leave_a_pinned_pool_pinned() -> None:
+    """The checklist over a saturated engine whose every third scrape reads empty names L1, as
+    it does over the same scrapes without them."""
+    from kvdiag.checks import diagnose
+    from kvdiag.config import Config
+    from kvdiag.refpool.validate import L1_VERDICTS
+
+    def sample(k: int, empty: bool) -> PoolSample:
+        running, waiting, usage = (0.0, 0.0, 0.0) if empty else (7.0, 17.0 + k % 2, 0.99)
+        return PoolSample("i", "vllm", 5.0 * k, running=running, waiting=waiting, usage_ratio=usage, requests_total=100.0 + 4 * k,
+                          evictions_total=30.0 * k, capacity_tokens=2048.0, generation_tokens_total=1500.0 * k,
+                          prompt_tokens_total=2000.0 * k)  # fmt: skip
+
+    clean = diagnose(Window("i", [sample(k, False) for k in range(60)]), Config())
+    glitched = diagnose(Window("i", [sample(k, k % 3 == 1) for k in range(60)]), Config())
+    assert clean.verdict.name in L1_VERDICTS
+    assert glitched.verdict.name == clean.verdict.name, glitched.verdict.reason
