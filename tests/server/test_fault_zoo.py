@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 from typing import Callable, Iterator
 
+import numpy as np
 import pytest
 import requests
 import uvicorn
@@ -134,11 +134,10 @@ def test_the_zoo_is_down_with_reasons_and_the_healthy_keep_their_schedule(
         base = live(loop)
         http = requests.Session()
         assert wait_for(lambda: requests.get(base + "/readyz", timeout=10).status_code == 200)  # every drip target ended
-        observe = 4.0
         before = {h.url: _samples(loop, h.url) for h in healthy}
-        time.sleep(observe)
-        for h in healthy:  # 8 due; a healthy target waiting on the bad ones would get one at most
-            assert _samples(loop, h.url) - before[h.url] >= 3, h.url
+        assert wait_for(lambda: all(_samples(loop, h.url) - before[h.url] >= 3 for h in healthy))
+        for h in healthy:  # on the loop's own clock, 3 scrapes 2 intervals apart; waiting on the bad ones, 2 timeouts
+            assert _last_span(loop, h.url, 3) < TIMEOUT, (h.url, _last_span(loop, h.url, 3))
         up = metrics(http, base)
         rows = {r["target"]: r for r in http.get(base + "/api/v1/instances", timeout=10).json()["instances"]}
         for name, url in bad.items():
@@ -194,9 +193,10 @@ def test_two_drip_targets_cannot_starve_two_healthy_ones_with_two_workers(
         loop = start_loop(replace(settings, scrape=replace(settings.scrape, concurrency=2)))
         assert wait_for(lambda: loop.ready)
         before = {h.url: _samples(loop, h.url) for h in healthy}
-        time.sleep(8.0)
-        for h in healthy:
-            assert _samples(loop, h.url) - before[h.url] >= 2, h.url  # 4 due; the old reader managed 0
+        # two more samples of each healthy target while the drips hold their workers (the old
+        # reader managed 0): counted in scrape cycles, with a hang guard, not in wall seconds
+        fed = lambda: all(_samples(loop, h.url) - before[h.url] >= 2 for h in healthy)  # noqa: E731
+        assert wait_for(fed), {h.url: _samples(loop, h.url) - before[h.url] for h in healthy}
         for url in drips:
             assert not loop.targets[url].up and "timed out" in (loop.targets[url].error or "")
     finally:
@@ -206,6 +206,13 @@ def test_two_drip_targets_cannot_starve_two_healthy_ones_with_two_workers(
 
 def _samples(loop: ScrapeLoop, url: str) -> int:
     return sum(len(i.ring) for i in loop.targets[url].instances.values())
+
+
+def _last_span(loop: ScrapeLoop, url: str, n: int) -> float:
+    """Seconds between a target's last ``n`` samples, as the loop stamped them."""
+    (inst,) = loop.targets[url].instances.values()
+    ts = np.sort(inst.ring.ts[~np.isnan(inst.ring.ts)])
+    return float(ts[-1] - ts[-n])
 
 
 def test_a_probe_flood_never_reaches_healthz(raw_server: Callable[[Handle], str], start_loop: Callable[[Settings], ScrapeLoop], live: Callable[[ScrapeLoop], str], stop: threading.Event) -> None:
