@@ -263,7 +263,7 @@ def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: fl
             "rss_gib": last.get("process_resident_memory_bytes", math.nan) / 2**30,
             # Prometheus' CPU after the warm-up, in cores: what it costs whatever else runs beside it
             "prometheus_cores": (last.get("process_cpu_seconds_total", 0.0) - base.get("process_cpu_seconds_total", 0.0)) / measured,
-            "slowest_rules": sorted(((statistics.mean(v.values()), k) for k, v in rule_evals.items() if v), reverse=True)[:6],
+            "slowest_rules": sorted(((statistics.mean(v.values()), k) for k, v in rule_evals.items() if v), reverse=True)[:12],
             "alert_share_pct": {k: statistics.mean(v) for k, v in shares.items()},
             "alert_share_pct_last": {k: v[-1] for k, v in shares.items()},
             "metrics_absent_max": absent_max,
