@@ -190,7 +190,13 @@ def scraping(url: str, n: int, interval_s: float, seconds: float) -> dict:
     made = query(url, f"sum(count_over_time(up[{span}]))")
     up = query(url, "sum(up)")
     due = n * seconds / interval_s
-    return {"scrape_s_p50": statistics.median(durations) if durations else math.nan,
+    errors: dict[str, int] = {}
+    for t in requests.get(url + "/api/v1/targets", params={"state": "active"}, timeout=120).json()["data"]["activeTargets"]:
+        if t.get("lastError"):
+            # the error without the target's own address, so alike errors add up
+            key = re.sub(r"http://\S+", "URL", t["lastError"])[:80]
+            errors[key] = errors.get(key, 0) + 1
+    return {"scrape_errors": errors, "scrape_s_p50": statistics.median(durations) if durations else math.nan,
             "scrape_s_max": max(durations, default=math.nan),
             "scrapes_made_pct": 100 * float(made[0]["value"][1]) / due if made and due else math.nan,
             "targets_up": float(up[0]["value"][1]) if up else 0.0}
@@ -333,7 +339,7 @@ def main() -> None:
               f"({f['missed_since_start']:g} since the start), failures {f['failures']:g}")
     print(f"head series {out['head_series']:.0f}, RSS {out['rss_gib']:.2f} GiB, Prometheus CPU {out['prometheus_cores']:.2f} cores, "
           f"load average {out['load_avg_1m']}")
-    print("scraping:", {k: round(v, 3) for k, v in out["scraping"].items()})
+    print("scraping:", {k: v if isinstance(v, dict) else round(v, 3) for k, v in out["scraping"].items()})
     if "cpu_s_per_evaluation" in out:
         print("Prometheus CPU per evaluation (s):", {g: round(v, 3) for g, v in out["cpu_s_per_evaluation"].items()})
     print("slowest rules (avg s):", [(round(t, 3), name) for t, name in out["slowest_rules"]])
