@@ -83,7 +83,7 @@ def serve(port_out: "multiprocessing.Queue[int]", keep_regex: str | None) -> Non
     asyncio.run(main())
 
 
-def prometheus_config(workdir: Path, port: int, n: int, interval: str, keep: list[dict] | None) -> Path:
+def prometheus_config(workdir: Path, port: int, n: int, interval: str, keep: list[dict] | None, rules: bool = True) -> Path:
     targets = [{"targets": [f"127.0.0.1:{port}"], "labels": {"__metrics_path__": f"/t/{i}/metrics",
                                                               "__fleet_instance": f"engine-{i}:8000"}} for i in range(n)]
     (workdir / "fleet.json").write_text(json.dumps(targets))
@@ -99,7 +99,7 @@ def prometheus_config(workdir: Path, port: int, n: int, interval: str, keep: lis
         job["metric_relabel_configs"] = keep
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "rule_files": [str(workdir / Path(RULES_RECORDING).name), str(workdir / Path(RULES_ALERTS).name)],
+        "rule_files": [str(workdir / Path(name).name) for name in (RULES_RECORDING, RULES_ALERTS)] if rules else [],
         "scrape_configs": [job],
     }
     path = workdir / "prometheus.yml"
@@ -181,8 +181,29 @@ def dashboard_timings(url: str, interval: float, span: float, budget_s: float = 
     return out
 
 
+def scraping(url: str, n: int, interval_s: float, seconds: float) -> dict:
+    """What the scrapes alone did over the last ``seconds``: each target's mean scrape duration
+    (p50 and max over targets), the scrapes made against the scrapes due (every target every
+    interval), and the targets up at the end."""
+    span = prom_duration(max(interval_s, seconds))
+    durations = [float(s["value"][1]) for s in query(url, f"avg_over_time(scrape_duration_seconds[{span}])")]
+    made = query(url, f"sum(count_over_time(up[{span}]))")
+    up = query(url, "sum(up)")
+    due = n * seconds / interval_s
+    errors: dict[str, int] = {}
+    for t in requests.get(url + "/api/v1/targets", params={"state": "active"}, timeout=120).json()["data"]["activeTargets"]:
+        if t.get("lastError"):
+            # the error without the target's own address, so alike errors add up
+            key = re.sub(r"http://\S+", "URL", t["lastError"])[:80]
+            errors[key] = errors.get(key, 0) + 1
+    return {"scrape_errors": errors, "scrape_s_p50": statistics.median(durations) if durations else math.nan,
+            "scrape_s_max": max(durations, default=math.nan),
+            "scrapes_made_pct": 100 * float(made[0]["value"][1]) / due if made and due else math.nan,
+            "targets_up": float(up[0]["value"][1]) if up else 0.0}
+
+
 def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: float, dashboards: bool,
-        binary: str) -> dict:
+        binary: str, rules: bool = True) -> dict:
     interval = prom_duration(interval_s)
     RENDERED.update(render_all(interval=interval_s))
     keep = yaml.safe_load(RENDERED[KEEP_LIST])["metric_relabel_configs"] if families == "read" else None
@@ -191,7 +212,7 @@ def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: fl
     server.start()
     port = ports.get(timeout=60)
     work = Path(tempfile.mkdtemp(prefix="bench-rules-"))
-    config = prometheus_config(work, port, n, interval, keep)
+    config = prometheus_config(work, port, n, interval, keep, rules)
     log = (work / "prometheus.log").open("w")
     prom_port = 19090 + os.getpid() % 1000
     url = f"http://127.0.0.1:{prom_port}"
@@ -235,6 +256,10 @@ def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: fl
             if now >= next_share:
                 next_share += 60
                 loads.append(os.getloadavg()[0])
+                if not rules:
+                    print(f"  t={int(now - t0)}s load={loads[-1]:.2f}", file=sys.stderr)
+                    time.sleep(min(3.0, interval_s / 4))
+                    continue
                 counted = query(url, "count(instance:kvdiag_instance:info)")
                 total = float(counted[0]["value"][1]) if counted else 0.0
                 active = {s["metric"]["alertname"]: float(s["value"][1])
@@ -253,7 +278,7 @@ def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: fl
         failures = {g: v - by_group(base, "prometheus_rule_evaluation_failures_total").get(g, 0.0)
                     for g, v in by_group(last, "prometheus_rule_evaluation_failures_total").items()}
         out = {
-            "instances": n, "families": families, "interval_s": interval_s, "minutes": minutes, "warmup_min": warmup_min,
+            "instances": n, "families": families, "rules": rules, "scraping": scraping(url, n, interval_s, measured), "interval_s": interval_s, "minutes": minutes, "warmup_min": warmup_min,
             "groups": {g: {"interval_s": intervals.get(g), "evaluations": len(v), "avg_s": statistics.mean(v.values()),
                            "max_s": max(v.values()), "avg_pct": 100 * statistics.mean(v.values()) / intervals[g],
                            "max_pct": 100 * max(v.values()) / intervals[g], "missed": missed.get(g, 0.0),
@@ -263,15 +288,16 @@ def run(n: int, minutes: float, interval_s: float, families: str, warmup_min: fl
             "rss_gib": last.get("process_resident_memory_bytes", math.nan) / 2**30,
             # Prometheus' CPU after the warm-up, in cores: what it costs whatever else runs beside it
             "prometheus_cores": (last.get("process_cpu_seconds_total", 0.0) - base.get("process_cpu_seconds_total", 0.0)) / measured,
-            "slowest_rules": sorted(((statistics.mean(v.values()), k) for k, v in rule_evals.items() if v), reverse=True)[:6],
+            "slowest_rules": sorted(((statistics.mean(v.values()), k) for k, v in rule_evals.items() if v), reverse=True)[:12],
             "alert_share_pct": {k: statistics.mean(v) for k, v in shares.items()},
             "alert_share_pct_last": {k: v[-1] for k, v in shares.items()},
             "metrics_absent_max": absent_max,
             "load_avg_1m": {"mean": statistics.mean(loads) if loads else math.nan, "max": max(loads, default=math.nan)},
             "cpus": os.cpu_count(),
         }
-        out["cpu_s_per_evaluation"] = cpu_per_evaluation(url, [RENDERED[RULES_RECORDING], RENDERED[RULES_ALERTS]])
-        if dashboards:
+        if rules:
+            out["cpu_s_per_evaluation"] = cpu_per_evaluation(url, [RENDERED[RULES_RECORDING], RENDERED[RULES_ALERTS]])
+        if dashboards and rules:
             timings = dashboard_timings(url, interval_s, min(3600.0, minutes * 60))
             values = [t for _, t in timings]
             worst = max(timings, key=lambda x: x[1])
@@ -299,19 +325,23 @@ def main() -> None:
     ap.add_argument("--interval", default="15s", help="scrape and rule evaluation interval")
     ap.add_argument("--families", choices=("read", "all"), default="read")
     ap.add_argument("--dashboards", action="store_true", help="time every dashboard query at the end")
+    ap.add_argument("--no-rules", action="store_true", help="load no rules: the baseline of scraping and ingestion alone")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     binary = shutil.which("prometheus")
     if binary is None:
         sys.exit("prometheus is not installed (scripts/system-deps.sh installs the Debian package)")
-    out = run(args.instances, args.minutes, parse_duration(args.interval), args.families, args.warmup, args.dashboards, binary)
+    out = run(args.instances, args.minutes, parse_duration(args.interval), args.families, args.warmup, args.dashboards, binary,
+              rules=not args.no_rules)
     for g, f in out["groups"].items():
         print(f"{g:18s} every {f['interval_s']:g}s: avg {f['avg_s']:.3f}s ({f['avg_pct']:.1f}%), max {f['max_s']:.3f}s "
               f"({f['max_pct']:.1f}%), {f['evaluations']} evaluations, missed {f['missed']:g} "
               f"({f['missed_since_start']:g} since the start), failures {f['failures']:g}")
     print(f"head series {out['head_series']:.0f}, RSS {out['rss_gib']:.2f} GiB, Prometheus CPU {out['prometheus_cores']:.2f} cores, "
           f"load average {out['load_avg_1m']}")
-    print("Prometheus CPU per evaluation (s):", {g: round(v, 3) for g, v in out["cpu_s_per_evaluation"].items()})
+    print("scraping:", {k: v if isinstance(v, dict) else round(v, 3) for k, v in out["scraping"].items()})
+    if "cpu_s_per_evaluation" in out:
+        print("Prometheus CPU per evaluation (s):", {g: round(v, 3) for g, v in out["cpu_s_per_evaluation"].items()})
     print("slowest rules (avg s):", [(round(t, 3), name) for t, name in out["slowest_rules"]])
     print("alert active share %:", {k: round(v, 1) for k, v in out["alert_share_pct"].items()})
     if "dashboards" in out:

@@ -9,9 +9,10 @@ series feed the dashboards (the three pool states, capacity, the concurrency cei
 
 The rules come in layers, as the monitoring mixins layer theirs, one rule group each:
 
-1. ``kvdiag-instance``: what one scrape says, per instance, from instant selectors and
-   aggregations only: gauges, and the totals of counters and histogram buckets as the
-   adapters read them (max over duplicates, sum over partitions);
+1. ``kvdiag-instance``, ``kvdiag-instance-tokens``, ``kvdiag-instance-ttft``: what one scrape
+   says, per instance, from instant selectors and aggregations only: gauges, and the totals of
+   counters and histogram buckets as the adapters read them (max over duplicates, sum over
+   partitions), in three groups that Prometheus evaluates concurrently;
 2. ``kvdiag-rates``: windows (``rate``, ``increase``, ``*_over_time``) over those recorded
    totals, and what follows from them at the same instant;
 3. ``kvdiag-usage``: the usage gauge as its most recent writer (a window over the second
@@ -104,10 +105,12 @@ def lmcache_joined(lbl: Labels, share: str) -> str:
     )
 
 
-#: The rule groups of the normalization, one per layer, in order: each later layer takes
-#: windows only over what an earlier one recorded (never a subquery), so Prometheus can
-#: evaluate each group on its own clock and a group's cost does not grow with the window.
-INSTANT, RATES, USAGE = "kvdiag-instance", "kvdiag-rates", "kvdiag-usage"
+#: The rule groups of the normalization, in layer order (the first layer in three groups that
+#: read only engine series): each later layer takes windows only over what an earlier one
+#: recorded (never a subquery), so Prometheus can evaluate each group on its own clock and a
+#: group's cost does not grow with the window.
+INSTANT, TOKENS, TTFT = "kvdiag-instance", "kvdiag-instance-tokens", "kvdiag-instance-ttft"
+RATES, USAGE = "kvdiag-rates", "kvdiag-usage"
 
 
 def _part_ratio(part: str, whole: str, w: str) -> str:
@@ -129,18 +132,24 @@ def _kept(lbl: Labels, part: str, whole: str) -> tuple[str, str]:
     return f"({part}) unless {on} {bad}", f"({whole}) unless {on} {bad}"
 
 
-def _instant(config: Config, lbl: Labels) -> list[Recording]:
+def _instant(config: Config, lbl: Labels) -> list[tuple[str, list[Recording]]]:
     """Layer 1: each instance's figures from one scrape (instant selectors and aggregations):
     gauges, and counters' and histogram buckets' totals, as the adapters read a scrape.
     SGLang's tokenizer series are server-wide: they are recorded per server (``server:``)
-    and the rates layer copies their figures onto the server's instances."""
-    out: list[Recording] = []
+    and the rates layer copies their figures onto the server's instances.
+
+    Three groups, which Prometheus evaluates concurrently (a group's rules run one after the
+    other): the pool and queue figures (``INSTANT``; its later rules read its earlier ones at
+    the same instant), the token and byte counters (``TOKENS``) and the TTFT histograms
+    (``TTFT``), the two largest reads of a fleet's series."""
+    out: dict[str, list[Recording]] = {INSTANT: [], TOKENS: [], TTFT: []}
+    group = INSTANT
 
     def add(record: str, expr: str, meaning: str = "") -> str:
-        """Record ``expr``; a catalog series takes its name and meaning from the catalog."""
+        """Record ``expr`` in ``group``; a catalog series takes its name and meaning from the catalog."""
         if record in SERIES:
             record, meaning = _catalog(record, config)
-        out.append(Recording(record, expr, meaning))
+        out[group].append(Recording(record, expr, meaning))
         return record
 
     # The instance list: one per data-parallel engine that reports scheduler metrics (the
@@ -186,12 +195,14 @@ def _instant(config: Config, lbl: Labels) -> list[Recording]:
     ), "retracted / preempted requests so far (the counter the eviction rates are taken over)")
 
     # TTFT buckets: SGLang's from the tokenizer process (server-wide), vLLM's per engine.
+    group = TTFT
     ttft = S + "time_to_first_token_seconds"
     add(server(TTFT_BUCKETS), counter_total(lbl, ttft, partitions=STREAM, suffix="_bucket", extra=("le",)),
         "first tokens so far by TTFT bucket (le), per server (SGLang's tokenizer)")
     add(TTFT_BUCKETS, counter_total(lbl, V + "time_to_first_token_seconds", suffix="_bucket", extra=("le",)),
         "first tokens so far by TTFT bucket (le), per engine")
 
+    group = TOKENS
     # Prefix hits (L1) from counters, never the per-batch cache_hit_rate gauge. SGLang: the
     # scheduler's per-engine split when present (0.5.20+), else the tokenizer's cached tokens
     # (device source where labelled) over prompt tokens. vLLM: prefix_cache_* (0.9.2+), else
@@ -257,6 +268,7 @@ def _instant(config: Config, lbl: Labels) -> list[Recording]:
             counter_total(lbl, V + "kv_offload_total_bytes", f'transfer_type="{legacy}"'),
         ), f"bytes {what} so far")
 
+    group = INSTANT
     # Capacity in tokens. SGLang: max_total_num_tokens (0.5.6+), else num_used / token_usage.
     # vLLM: cache_config_info labels: kv_cache_size_tokens per engine (~0.25+), else
     # (num_gpu_blocks / engines of the server - the null block) x block_size, since
@@ -303,6 +315,7 @@ def _instant(config: Config, lbl: Labels) -> list[Recording]:
                                                           (("full_token_usage", "full"), ("swa_token_usage", "swa"), ("mamba_usage", "mamba"))),
         "usage of each KV pool (pool: full | swa | mamba), 0 where the model has no such pool")
 
+    group = TOKENS
     # Tokens and finished requests so far, for the per-request averages.
     for name, family, what in ((PROMPT_TOKENS, "prompt_tokens", "input tokens"), (OUTPUT_TOKENS, "generation_tokens", "output tokens")):
         add(server(name), counter_total(lbl, S + family, partitions=STREAM), f"{what} so far, per server (SGLang's tokenizer)")
@@ -310,6 +323,7 @@ def _instant(config: Config, lbl: Labels) -> list[Recording]:
     add(server(REQUESTS), counter_total(lbl, S + "num_requests", partitions=STREAM), "finished requests so far, per server (SGLang's tokenizer)")
     add(REQUESTS, counter_total(lbl, V + "request_success", partitions=("finished_reason",)), "finished requests so far, per engine")
 
+    group = INSTANT
     # What admission holds back (kvdiag/checks/admission.py): SGLang's output reserve ratio, the
     # decode role and the requests a decode instance is receiving.
     add(DECODE_RESERVE, gauge(lbl, S + "new_token_ratio"),
@@ -332,7 +346,7 @@ def _instant(config: Config, lbl: Labels) -> list[Recording]:
     add(TRANSFERRING, " + ".join(f"({first(*(gauge(lbl, n) for n in names))} or 0 * {running})"
                                  for names, _, kind, r in sglang.QUEUES if r is not None and kind == "deferred"),
         "requests whose KV is being transferred to the instance (SGLang's PD queues), 0 outside disaggregation")
-    return out
+    return list(out.items())
 
 
 def _rates(config: Config, lbl: Labels) -> list[Recording]:
@@ -459,8 +473,9 @@ def _usage(config: Config, lbl: Labels) -> list[Recording]:
 
 
 def layers(config: Config, lbl: Labels = Labels()) -> list[tuple[str, list[Recording]]]:
-    """The normalization's rule groups, in layer order (``INSTANT``, ``RATES``, ``USAGE``)."""
-    return [(INSTANT, _instant(config, lbl)), (RATES, _rates(config, lbl)), (USAGE, _usage(config, lbl))]
+    """The normalization's rule groups, in layer order (the first layer's ``INSTANT``, ``TOKENS``
+    and ``TTFT``, then ``RATES``, ``USAGE``)."""
+    return _instant(config, lbl) + [(RATES, _rates(config, lbl)), (USAGE, _usage(config, lbl))]
 
 
 def server(record: str) -> str:

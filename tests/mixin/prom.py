@@ -56,9 +56,11 @@ class Process:
             # accepts the connection and says nothing): keep waiting until the start deadline.
             return False
 
-    def logs(self) -> str:
+    def logs(self, tail: int | None = 4000) -> str:
+        """The process's output so far: its last ``tail`` characters, or all of it (None)."""
         self.log.flush()
-        return self.log_path.read_text()[-4000:]
+        text = self.log_path.read_text()
+        return text if tail is None else text[-tail:]
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -84,7 +86,7 @@ class Process:
 
 class Prometheus(Process):
     def __init__(self, binary: str, workdir: Path, rule_files: list[Path], jobs: dict[str, str],
-                 metric_relabel_configs: list[dict] | None = None) -> None:
+                 metric_relabel_configs: list[dict] | None = None, flags: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -104,6 +106,7 @@ class Prometheus(Process):
             f"--storage.tsdb.path={workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--storage.tsdb.retention.time=1h",
+            *flags,
         ]
         super().__init__(argv, workdir / "prometheus.log", self.url + "/-/ready")
 
@@ -114,5 +117,16 @@ class Prometheus(Process):
             raise AssertionError(f"{path} {params}: {body.get('error', body)}")
         return body["data"]
 
-    def query(self, expr: str) -> list[dict]:
-        return self.api("query", query=expr)["result"]
+    def query(self, expr: str, **params: str) -> list[dict]:
+        return self.api("query", query=expr, **params)["result"]
+
+    def own_metrics(self, family: str) -> dict[str, float]:
+        """Prometheus' own /metrics samples of ``family`` (read directly, not scraped), keyed by
+        their label text."""
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(family + "{") or line.startswith(family + " "):
+                key, _, value = line.rpartition(" ")
+                out[key[len(family):]] = float(value)
+        return out
