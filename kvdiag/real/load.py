@@ -1,8 +1,15 @@
 """Load on a real engine's OpenAI endpoint, as its users would send it, with client-side TTFT.
 
-Two shapes of traffic, because they overload an engine differently:
+Three shapes of traffic, because they overload an engine differently:
 * an **open loop** (``OpenLoop``): Poisson arrivals at a rate per phase, whatever the engine
   does; in overload the waiting queue grows without bound;
+* an **overload that follows the engine** (``Overload``): an open loop whose overload is found,
+  not fixed. The rate an engine serves depends on the machine it runs on (a 1.5 requests/s
+  overload on a loaded 2-core machine was served with nothing waiting on the same 2 cores idle),
+  so the driver reads what the engine's own scheduler decided (the truth hook, through a
+  ``Limited`` callable) and raises the rate until admission is limited as the story needs, then
+  holds the overload a set time from there: on any machine the story overloads, and lasts long
+  enough after the overload began to judge how soon kvdiag named it;
 * a **closed loop** (``ClosedLoop``): N clients, each sending its next request when the last
   answer returns (benchmarks, many gateways); the queue cannot exceed N minus running.
 
@@ -23,7 +30,7 @@ import string
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import requests
 
@@ -43,6 +50,37 @@ class OpenLoop:
     @property
     def seconds(self) -> float:
         return sum(p.seconds for p in self.phases)
+
+
+@dataclass(frozen=True)
+class Overload:
+    """A light ``opening``, then Poisson arrivals from ``rate`` on, multiplied by ``factor``
+    (``raises`` times at most) whenever admission was limited ``by`` ("kv", or a cap of
+    kvdiag/real/truth.py ``CAPS``) in less than half of the last ``patience`` seconds; the
+    overload lasts ``hold`` seconds from the first check that found admission limited (and
+    ``longest`` at most, a bound for an engine that never is), then ``drain`` seconds pass
+    without arrivals. The engine is asked every ``check`` seconds about the last ``lookback``."""
+
+    opening: Phase
+    rate: float
+    hold: float
+    drain: float = 0.0
+    by: str = "kv"
+    patience: float = 15.0
+    factor: float = 1.5
+    raises: int = 4
+    longest: float = 300.0
+    check: float = 5.0
+    lookback: float = 10.0
+
+    @property
+    def seconds(self) -> float:
+        """The longest the load can last (its length is the engine's to decide)."""
+        return self.opening.seconds + self.longest + self.drain
+
+
+#: The share of the last ``seconds`` of the engine's steps that admission was limited ``by``.
+Limited = Callable[[str, float], float]
 
 
 @dataclass(frozen=True)
@@ -114,7 +152,12 @@ class Driver:
         self._stop = threading.Event()
         self._open: set[requests.Response] = set()
         self._lock = threading.Lock()
+        self._began = time.monotonic()
         self._threads: list[threading.Thread] = []
+        #: (seconds from the load's start, arrivals per second) at each change of rate
+        self.rates: list[tuple[float, float]] = []
+        #: seconds from the load's start to the first check that found admission limited
+        self.limited_at: float | None = None
 
     # ------------------------------------------------------------------ one request
     def _prompt(self, rng: random.Random) -> tuple[str, int, int]:
@@ -178,17 +221,43 @@ class Driver:
         """Arrivals for the phases' total time (blocks until the last is sent)."""
         t = time.monotonic()
         for phase in load.phases:
-            end = t + phase.seconds
-            while phase.rate > 0:
-                t += self.rng.expovariate(phase.rate)
-                if t >= end:
-                    break
-                if self._stop.wait(max(0.0, t - time.monotonic())):
-                    return
-                self._spawn(self.rng.getrandbits(32))
-            t = end
+            t = self._arrivals(t, phase.rate, t + phase.seconds)
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 return
+
+    def _arrivals(self, t: float, rate: float, end: float) -> float:
+        """Poisson arrivals at ``rate`` from monotonic time ``t`` until ``end``; returns ``end``
+        (or where ``stop`` cut them short)."""
+        if not self.rates or self.rates[-1][1] != rate:
+            self.rates.append((t - self._began, rate))
+        while rate > 0:
+            t += self.rng.expovariate(rate)
+            if t >= end:
+                break
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                return t
+            self._spawn(self.rng.getrandbits(32))
+        return end
+
+    def overload(self, load: Overload, limited: Limited) -> float:
+        """``load`` (class docstring); blocks until its end and returns its length in seconds.
+        Its decisions depend on ``limited``'s answers alone, not on how late the checks run."""
+        t = self._arrivals(self._began, load.opening.rate, self._began + load.opening.seconds)
+        rate, raised, raises = load.rate, t, 0
+        over = t + load.longest
+        while t < over and not self._stop.is_set():
+            t = self._arrivals(t, rate, min(t + load.check, over))
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                break
+            if limited(load.by, load.lookback) >= 0.5:
+                if self.limited_at is None:
+                    self.limited_at = t - self._began
+                    over = min(over, t + load.hold)
+            elif t - raised >= load.patience and limited(load.by, load.patience) < 0.5 and raises < load.raises:
+                rate, raised, raises = rate * load.factor, t, raises + 1
+        end = self._arrivals(t, 0.0, t + load.drain)
+        self._stop.wait(max(0.0, end - time.monotonic()))
+        return end - self._began
 
     def closed_loop(self, load: ClosedLoop) -> None:
         """``clients`` loops until ``seconds`` have passed (blocks that long)."""
@@ -205,8 +274,19 @@ class Driver:
             self._threads.append(c)
         self._stop.wait(max(0.0, end - time.monotonic()))
 
-    def run(self, load: OpenLoop | ClosedLoop) -> None:
-        (self.open_loop if isinstance(load, OpenLoop) else self.closed_loop)(load)  # type: ignore[operator]
+    def run(self, load: OpenLoop | ClosedLoop | Overload, limited: Limited | None = None) -> float:
+        """``load`` from now on (blocks until its end); returns its length in seconds. An
+        ``Overload`` needs ``limited``: what the engine's scheduler decided lately."""
+        self._began = time.monotonic()
+        if isinstance(load, Overload):
+            if limited is None:
+                raise ValueError("an Overload follows the engine: it needs what limited its admission (limited=)")
+            return self.overload(load, limited)
+        if isinstance(load, OpenLoop):
+            self.open_loop(load)
+        else:
+            self.closed_loop(load)
+        return load.seconds
 
     def stop(self, wait: float = 30.0) -> None:
         """Close every open stream (the server aborts those requests) and join the clients."""

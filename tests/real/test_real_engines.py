@@ -31,7 +31,7 @@ import pytest
 from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.engines import Engine
-from kvdiag.real.load import ClosedLoop, Driver
+from kvdiag.real.load import ClosedLoop, Driver, Overload
 from kvdiag.real.report import line
 from kvdiag.real.stories import StoryRun, run_story, wait_idle
 from kvdiag.refpool.validate import L1_VERDICTS
@@ -105,7 +105,8 @@ def _engine_refused_for_kv(told: Told) -> None:
     errors = [x.error for x in run.records if x.error and x.error != "stopped"]
     assert not errors, errors[:3]
     assert run.first_kv_refusal is not None, "the engine never refused a waiting request for KV"
-    assert run.first_kv_refusal >= STORY.load.phases[0].seconds - 5, "KV refused during the light opening"
+    assert isinstance(STORY.load, Overload)
+    assert run.first_kv_refusal >= STORY.load.opening.seconds - 5, "KV refused during the light opening"
     assert any(i.truth in L1_VERDICTS for i in run.result.instants), "the truth never named L1 during the overload"
     assert len(run.result.scored) >= 5  # instants from 60 s on, less the grace around changes of truth
     scrapes = list(read_recording(told.recording))

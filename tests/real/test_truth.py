@@ -15,7 +15,8 @@ import pytest
 from kvdiag.cli import main
 from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
-from kvdiag.real.truth import MAX_STEP_S, TruthError, read
+from kvdiag.real.load import Driver, Overload, Phase, Requests
+from kvdiag.real.truth import MAX_STEP_S, Tail, TruthError, read
 
 T0 = 1_800_000_000.0
 
@@ -115,3 +116,57 @@ def test_the_engine_side_import_hook_runs_after_its_module_and_leaves_others_alo
     env = {k: v for k, v in os.environ.items() if k != "KVDIAG_TRUTH_FILE"}
     out = subprocess.run([sys.executable, "-c", code, str(SITE)], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "[('json.decoder', True)] False csv", out.stderr
+
+
+def test_the_tail_reads_what_was_appended_since_the_story_began(tmp_path: Path) -> None:
+    """An Overload asks the truth file every few seconds: only new lines are read, a line still
+    being written waits, and the share limited by KV or a cap is of the recent steps' time."""
+    f = _write(tmp_path / "t.jsonl", [[T0 - 50, 1, "", 0, 4, 9, 0.99]])  # an earlier story's
+    tail = Tail(f)
+    assert tail.limited("kv", 10.0) == 0.0
+    with f.open("a") as fh:
+        fh.write("".join(json.dumps([T0 + k * 0.5, int(k >= 10), "" if k >= 10 else "seqs", 0, 2, 3, 0.5]) + "\n" for k in range(20)))
+        fh.write('[1800000010.0, 1, "", ')
+    steps = tail.recent(10.0, now=T0 + 10)
+    assert len(steps) == 20  # the last step stands for MAX_STEP_S: 5.5 s on KV, 5 s on the cap
+    assert steps.share("kv") == pytest.approx(5.5 / 10.5) and steps.share("seqs") == pytest.approx(5 / 10.5)
+    assert tail.recent(5.0, now=T0 + 10).share("kv") == 1.0
+    with f.open("a") as fh:
+        fh.write('0, 3, 1, 0.9]\n')
+    assert len(tail.recent(10.0, now=T0 + 11)) == 19  # the finished line read, T0 + 0.5 s gone
+    with f.open("a") as fh:
+        fh.write("not json\n")
+    with pytest.raises(TruthError, match=r"t.jsonl:23: not a truth line"):
+        tail.recent(10.0, now=T0 + 11)
+
+
+def test_an_overload_raises_its_rate_until_the_engine_is_limited_then_holds() -> None:
+    """The load follows what the engine's scheduler decided (``limited``'s answers), not the
+    clock: the rate goes up by ``factor`` at most ``raises`` times while admission is not
+    limited, and the overload lasts ``hold`` from the check that found it limited."""
+    check = 1 / 64
+    load = Overload(Phase(2 * check, 0.0), 1e-9, hold=4 * check, drain=check, by="seqs", patience=2.5 * check,
+                    factor=2.0, raises=2, longest=100 * check, check=check, lookback=2 * check)  # fmt: skip
+    asked: list[tuple[str, float]] = []
+
+    def limited(by: str, seconds: float) -> float:
+        asked.append((by, seconds))
+        return 1.0 if sum(s == load.lookback for _, s in asked) >= 9 else 0.0
+
+    driver = Driver("http://127.0.0.1:9", Requests())
+    length = driver.run(load, limited)
+    assert [r for _, r in driver.rates] == [0.0, 1e-9, 2e-9, 4e-9, 0.0]  # two raises, then no more
+    assert [t for t, _ in driver.rates][2:4] == pytest.approx([(2 + 3) * check, (2 + 6) * check])
+    assert driver.limited_at == pytest.approx((2 + 9) * check)
+    assert length == pytest.approx((2 + 9 + 4 + 1) * check)
+    assert {by for by, _ in asked} == {"seqs"} and not driver.records
+    with pytest.raises(ValueError, match="needs what limited its admission"):
+        driver.run(load)
+
+
+def test_an_overload_that_never_limits_the_engine_ends_at_its_bound() -> None:
+    check = 1 / 64
+    load = Overload(Phase(check, 0.0), 1e-9, hold=1.0, patience=1.5 * check, raises=1, longest=6 * check, check=check)
+    driver = Driver("http://127.0.0.1:9", Requests())
+    assert driver.run(load, lambda by, s: 0.0) == pytest.approx(7 * check)
+    assert driver.limited_at is None and [r for _, r in driver.rates] == pytest.approx([0.0, 1e-9, 1.5e-9, 0.0], abs=1e-15)
