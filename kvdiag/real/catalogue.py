@@ -38,9 +38,9 @@ LONG = Requests(prompt=(300, 500), prefix=0.7, output=(200, 400))
 STORIES = {s.name: s for s in (
     Story("healthy", "a light open loop: nothing waits",
           OpenLoop((Phase(150, 0.15),)), Requests(prompt=(200, 300), output=(40, 120))),
-    Story("open-loop-saturation", "an open loop above what the pool serves (from 1.5 requests/s, raised until the engine refuses for KV) "
-          "for 90 s from the first sustained refusal, then no arrivals: the queue grows, then drains",
-          Overload(Phase(30, 0.3), 1.5, hold=90, drain=90), LONG),
+    Story("open-loop-saturation", "one client for 30 s, then an open loop above what the pool serves (from 1.5 requests/s, raised until the engine refuses for KV, "
+          "then to 1.5 x what it serves) for 120 s from the first sustained refusal, then no arrivals until 25 s after the refusals stop: the queue grows, then drains",
+          Overload(ClosedLoop(1, 30), 1.5, hold=120, drain=90, settle=25), LONG),
     Story("closed-loop-saturation", "24 clients, each sending when its last answer returns: the queue stands at clients minus running",
           ClosedLoop(24, 180), Requests(prompt=(300, 500), prefix=0.7, output=(100, 250))),
     Story("sglang-conservative-admission", "SGLang's default admission, outputs of hundreds of tokens: the KV budget refuses admission while usage stays low",
@@ -50,10 +50,10 @@ STORIES = {s.name: s for s in (
           env=(("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "64"),)),
     Story("queue-without-kv-pressure", "a pool eight times larger and two running requests at most: requests queue on the cap, not on KV "
           "(from 1.2 requests/s, raised until the cap holds the queue, for 130 s from there)",
-          Overload(Phase(20, 0.3), 1.2, hold=130, by="seqs"), Requests(prompt=(200, 300), output=(100, 200)), pool_tokens=16384, max_running=2),
+          Overload(ClosedLoop(1, 20), 1.2, hold=130, by="seqs"), Requests(prompt=(200, 300), output=(100, 200)), pool_tokens=16384, max_running=2),
     Story("high-prefix-hit", "95 % of every prompt is one shared prefix, load above capacity (from 1.5 requests/s, raised until the engine "
           "refuses for KV, for 120 s from there): the hit ratio stays high while requests wait",
-          Overload(Phase(30, 0.3), 1.5, hold=120), Requests(prompt=(600, 800), prefix=0.95, output=(150, 300))),
+          Overload(ClosedLoop(1, 30), 1.5, hold=120), Requests(prompt=(600, 800), prefix=0.95, output=(150, 300))),
 )}  # fmt: skip
 #: What CI runs on each engine (tests/real): the saturation story every engine tells.
 CI_STORY = "open-loop-saturation"

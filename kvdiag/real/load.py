@@ -3,12 +3,12 @@
 Three shapes of traffic, because they overload an engine differently:
 * an **open loop** (``OpenLoop``): Poisson arrivals at a rate per phase, whatever the engine
   does; in overload the waiting queue grows without bound;
-* an **overload that follows the engine** (``Overload``): an open loop whose overload is found,
-  not fixed. The rate an engine serves depends on the machine it runs on (a 1.5 requests/s
+* an **overload that follows the engine** (``Overload``): a light closed-loop opening, then an
+  open loop whose overload is found, not fixed. The rate an engine serves depends on the machine it runs on (a 1.5 requests/s
   overload on a loaded 2-core machine was served with nothing waiting on the same 2 cores idle),
   so the driver reads what the engine's own scheduler decided (the truth hook, through a
-  ``Limited`` callable) and raises the rate until admission is limited as the story needs, then
-  holds the overload a set time from there: on any machine the story overloads, and lasts long
+  ``Limited`` callable) and raises the rate until admission is limited as the story needs (then
+  to a multiple of the rate the engine serves), and holds the overload a set time from there: on any machine the story overloads, and lasts long
   enough after the overload began to judge how soon kvdiag named it;
 * a **closed loop** (``ClosedLoop``): N clients, each sending its next request when the last
   answer returns (benchmarks, many gateways); the queue cannot exceed N minus running.
@@ -53,22 +53,35 @@ class OpenLoop:
 
 
 @dataclass(frozen=True)
-class Overload:
-    """A light ``opening``, then Poisson arrivals from ``rate`` on, multiplied by ``factor``
-    (``raises`` times at most) whenever admission was limited ``by`` ("kv", or a cap of
-    kvdiag/real/truth.py ``CAPS``) in less than half of the last ``patience`` seconds; the
-    overload lasts ``hold`` seconds from the first check that found admission limited (and
-    ``longest`` at most, a bound for an engine that never is), then ``drain`` seconds pass
-    without arrivals. The engine is asked every ``check`` seconds about the last ``lookback``."""
+class ClosedLoop:
+    clients: int
+    seconds: float
 
-    opening: Phase
+
+@dataclass(frozen=True)
+class Overload:
+    """An ``opening`` of a few closed-loop clients (light on a machine of any speed: one or two
+    requests fit the smallest pool), then Poisson arrivals from ``rate`` on, multiplied by
+    ``factor`` (``raises`` times at most) whenever admission was limited ``by`` ("kv", or a cap
+    of kvdiag/real/truth.py ``CAPS``) in less than half of the last ``patience`` seconds. Once it
+    is limited, the rate is also at least ``over_service`` x the requests the engine finished per
+    second over the last ``patience`` seconds (its service rate while limited), so the queue
+    grows at a pace of the engine's own. The overload lasts ``hold`` seconds from the first
+    check that found admission limited (``longest`` at most, a bound for an engine that never
+    is), then ``drain`` seconds pass without arrivals (fewer: the drain ends ``settle`` seconds
+    after admission stopped being limited, so that a story does not end on minutes of an idle
+    engine). The engine is asked every ``check`` seconds about the last ``lookback``."""
+
+    opening: ClosedLoop
     rate: float
     hold: float
     drain: float = 0.0
+    settle: float = 20.0
     by: str = "kv"
     patience: float = 15.0
     factor: float = 1.5
     raises: int = 4
+    over_service: float = 1.5
     longest: float = 300.0
     check: float = 5.0
     lookback: float = 10.0
@@ -81,12 +94,6 @@ class Overload:
 
 #: The share of the last ``seconds`` of the engine's steps that admission was limited ``by``.
 Limited = Callable[[str, float], float]
-
-
-@dataclass(frozen=True)
-class ClosedLoop:
-    clients: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -241,8 +248,10 @@ class Driver:
 
     def overload(self, load: Overload, limited: Limited) -> float:
         """``load`` (class docstring); blocks until its end and returns its length in seconds.
-        Its decisions depend on ``limited``'s answers alone, not on how late the checks run."""
-        t = self._arrivals(self._began, load.opening.rate, self._began + load.opening.seconds)
+        Its decisions depend on ``limited``'s answers and the requests finished alone, not on
+        how late the checks run."""
+        self.closed_loop(load.opening)
+        t = self._began + load.opening.seconds
         rate, raised, raises = load.rate, t, 0
         over = t + load.longest
         while t < over and not self._stop.is_set():
@@ -250,14 +259,36 @@ class Driver:
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 break
             if limited(load.by, load.lookback) >= 0.5:
+                rate = max(rate, load.over_service * self.served(load.patience))
                 if self.limited_at is None:
                     self.limited_at = t - self._began
                     over = min(over, t + load.hold)
             elif t - raised >= load.patience and limited(load.by, load.patience) < 0.5 and raises < load.raises:
                 rate, raised, raises = rate * load.factor, t, raises + 1
-        end = self._arrivals(t, 0.0, t + load.drain)
-        self._stop.wait(max(0.0, end - time.monotonic()))
-        return end - self._began
+        return self._drain(load, limited, t) - self._began
+
+    def _drain(self, load: Overload, limited: Limited, t: float) -> float:
+        """No arrivals from ``t`` until ``settle`` seconds after admission stopped being limited
+        (or ``drain`` seconds); returns where the drain ended (monotonic seconds)."""
+        end, free_since = t + load.drain, None
+        self._arrivals(t, 0.0, t)  # logs the rate's end
+        while t < end and not self._stop.is_set():
+            t = self._arrivals(t, 0.0, min(t + load.check, end))
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                break
+            if limited(load.by, load.lookback) >= 0.5:
+                free_since = None
+            else:
+                free_since = t if free_since is None else free_since
+                if t - free_since >= load.settle:
+                    break
+        return t
+
+    def served(self, seconds: float) -> float:
+        """Requests answered to their end per second over the last ``seconds``."""
+        since = time.time() - seconds
+        with self._lock:
+            return sum(r.finished is not None and r.finished >= since and not r.error for r in self.records) / seconds
 
     def closed_loop(self, load: ClosedLoop) -> None:
         """``clients`` loops until ``seconds`` have passed (blocks that long)."""

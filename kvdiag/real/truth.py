@@ -149,16 +149,29 @@ def _parse(path: Path, lines: list[str], lineno0: int, last_may_be_partial: bool
 
 
 def _steps(rows: list[Row], t0: float, t1: float) -> Steps:
+    """Columns of the rows in ``[t0, t1)``, and of the idle time between them: where the next
+    step (or ``t1``) comes more than ``MAX_STEP_S`` after one began, the rest of the gap is an
+    idle row (nothing running, waiting, refused or used; the hook writes no idle steps), so
+    that a share of a span is of its time, not of the time the engine was busy."""
     rows = [r for r in rows if t0 <= r[0] < t1]
-    start = np.array([r[0] for r in rows], dtype=float) - t0
-    gaps = np.diff(start, append=start[-1] + MAX_STEP_S if len(start) else 0.0)
-    kv = np.array([r[1] for r in rows], dtype=bool)
-    evicted = np.array([r[3] for r in rows], dtype=np.int64)
-    waiting = np.array([r[5] for r in rows], dtype=np.int64)
-    return Steps(t0, {
-        "start": start, "duration": np.minimum(gaps, MAX_STEP_S),
-        "blocked_on_kv": kv | ((evicted > 0) & (waiting > 0)),
-        "cap": np.array([r[2] for r in rows], dtype=object), "evicted": evicted,
-        "running": np.array([r[4] for r in rows], dtype=np.int64), "waiting": waiting,
-        "usage": np.array([r[6] for r in rows], dtype=float),
-    })  # fmt: skip
+    busy = np.array([r[0] for r in rows], dtype=float) - t0
+    starts = np.concatenate([[0.0], busy + MAX_STEP_S])  # where idle time may begin
+    ends = np.append(busy, t1 - t0 if np.isfinite(t1) else starts[-1])
+    idle = np.flatnonzero(ends - starts > 1e-9)
+    n, k = len(rows), len(idle)
+    kv = np.array([r[1] for r in rows] + [False] * k, dtype=bool)
+    evicted = np.array([r[3] for r in rows] + [0] * k, dtype=np.int64)
+    waiting = np.array([r[5] for r in rows] + [0] * k, dtype=np.int64)
+    start = np.concatenate([busy, np.where(idle == 0, 0.0, starts[idle])])
+    order = np.argsort(start, kind="stable")
+    start = start[order]
+    duration = np.diff(start, append=max(ends[-1], start[-1] + MAX_STEP_S) if len(start) else 0.0)
+    duration[order < n] = np.minimum(duration[order < n], MAX_STEP_S)
+    columns = {
+        "start": start, "duration": duration,
+        "blocked_on_kv": (kv | ((evicted > 0) & (waiting > 0)))[order],
+        "cap": np.array([r[2] for r in rows] + [""] * k, dtype=object)[order], "evicted": evicted[order],
+        "running": np.array([r[4] for r in rows] + [0] * k, dtype=np.int64)[order], "waiting": waiting[order],
+        "usage": np.array([r[6] for r in rows] + [0.0] * k, dtype=float)[order],
+    }  # fmt: skip
+    return Steps(t0, columns)
