@@ -39,7 +39,7 @@ STORIES = {s.name: s for s in (
     Story("healthy", "a light open loop: nothing waits",
           OpenLoop((Phase(150, 0.15),)), Requests(prompt=(200, 300), output=(40, 120))),
     Story("open-loop-saturation", "one client for 30 s, then an open loop above what the pool serves (from 1.5 requests/s, raised until the engine refuses for KV, "
-          "then to 1.5 x what it serves) for 120 s from the first sustained refusal, then no arrivals until 25 s after the refusals stop: the queue grows, then drains",
+          "then 1.5x more and at least twice what it serves) for 120 s from the first sustained refusal, then no arrivals until 25 s after the refusals stop: the queue grows, then drains",
           Overload(ClosedLoop(1, 30), 1.5, hold=120, drain=90, settle=25), LONG),
     Story("closed-loop-saturation", "24 clients, each sending when its last answer returns: the queue stands at clients minus running",
           ClosedLoop(24, 180), Requests(prompt=(300, 500), prefix=0.7, output=(100, 250))),

@@ -64,9 +64,11 @@ class Overload:
     requests fit the smallest pool), then Poisson arrivals from ``rate`` on, multiplied by
     ``factor`` (``raises`` times at most) whenever admission was limited ``by`` ("kv", or a cap
     of kvdiag/real/truth.py ``CAPS``) in less than half of the last ``patience`` seconds. Once it
-    is limited, the rate is also at least ``over_service`` x the requests the engine finished per
-    second over the last ``patience`` seconds (its service rate while limited), so the queue
-    grows at a pace of the engine's own. The overload lasts ``hold`` seconds from the first
+    is limited, the rate goes up by ``factor`` once more (the rate that first limits it is about
+    what it serves: a real vLLM found limited at 2.25 requests/s drained to idle 5 s later) and
+    is at least ``over_service`` x the requests the engine finished per second over the last
+    ``lookback`` seconds (its service rate while limited), so the queue grows at a pace of the
+    engine's own. The overload lasts ``hold`` seconds from the first
     check that found admission limited (``longest`` at most, a bound for an engine that never
     is), then ``drain`` seconds pass without arrivals (fewer: the drain ends ``settle`` seconds
     after admission stopped being limited, so that a story does not end on minutes of an idle
@@ -81,7 +83,7 @@ class Overload:
     patience: float = 15.0
     factor: float = 1.5
     raises: int = 4
-    over_service: float = 1.5
+    over_service: float = 2.0
     longest: float = 300.0
     check: float = 5.0
     lookback: float = 10.0
@@ -259,10 +261,11 @@ class Driver:
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 break
             if limited(load.by, load.lookback) >= 0.5:
-                rate = max(rate, load.over_service * self.served(load.patience))
-                if self.limited_at is None:
+                if self.limited_at is None:  # the rate found is at the engine's service rate: go clearly above it
                     self.limited_at = t - self._began
                     over = min(over, t + load.hold)
+                    rate *= load.factor
+                rate = max(rate, load.over_service * self.served(load.lookback))
             elif t - raised >= load.patience and limited(load.by, load.patience) < 0.5 and raises < load.raises:
                 rate, raised, raises = rate * load.factor, t, raises + 1
         return self._drain(load, limited, t) - self._began

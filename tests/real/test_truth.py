@@ -151,7 +151,8 @@ def test_the_tail_reads_what_was_appended_since_the_story_began(tmp_path: Path) 
 def test_an_overload_raises_its_rate_until_the_engine_is_limited_then_holds() -> None:
     """The load follows what the engine's scheduler decided (``limited``'s answers) and what it
     served, not the clock: the rate goes up by ``factor`` at most ``raises`` times while
-    admission is not limited, then to ``over_service`` x the engine's service rate; the
+    admission is not limited, once more when it is, and to ``over_service`` x the engine's
+    service rate; the
     overload lasts ``hold`` from the check that found admission limited, and the drain ends
     ``settle`` after admission stopped being limited."""
     check = 1 / 64
@@ -166,9 +167,11 @@ def test_an_overload_raises_its_rate_until_the_engine_is_limited_then_holds() ->
         return 1.0 if 9 <= sum(s == load.lookback for _, s in asked) <= 14 else 0.0
 
     driver = Driver("http://127.0.0.1:9", Requests())
-    driver.served = lambda seconds: 1e-8  # type: ignore[method-assign]  # what the engine finished per second
+    served = iter([1e-9] + [1e-8] * 10)  # what the engine finished per second, at each limited check
+    driver.served = lambda seconds: next(served)  # type: ignore[method-assign]
     length = driver.run(load, limited)
-    assert [r for _, r in driver.rates] == pytest.approx([1e-9, 2e-9, 4e-9, 3e-8, 0.0], rel=1e-9)  # two raises, no more
+    # two raises, no more; found limited: x factor (above 3 x served), then 3 x served
+    assert [r for _, r in driver.rates] == pytest.approx([1e-9, 2e-9, 4e-9, 8e-9, 3e-8, 0.0], rel=1e-9)
     assert [t for t, _ in driver.rates][:3] == pytest.approx([2 * check, (2 + 3) * check, (2 + 6) * check])
     assert driver.limited_at == pytest.approx((2 + 9) * check)
     assert length == pytest.approx((2 + 9 + 4 + 1 + 1 + 2) * check)  # drain: still limited once, free at the next, +settle
