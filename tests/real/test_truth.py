@@ -195,3 +195,20 @@ def test_served_counts_requests_answered_to_their_end() -> None:
                        Record(now - 9, 10, 5, now - 8, now - 1, 5), Record(now - 9, 10, 5, None, now - 1, 0, "HTTPError: 500"),
                        Record(now - 5, 10, 5)]  # fmt: skip
     assert driver.served(10.0) == pytest.approx(0.2)
+
+
+def test_a_queue_draining_behind_kv_refusals_is_a_backlog_while_it_stands(tmp_path: Path) -> None:
+    """A real SGLang after an open loop's arrivals stop: 100 waiting drain to 70 in 30 s, every
+    step refusing the head for KV, nothing retracted. The queue never fell below the floor: the
+    pool limits (an L1 label), not "near capacity". Once it falls below the floor and keeps
+    draining, it is no backlog."""
+    from kvdiag.refpool.validate import TruthReader
+
+    rows = [[T0 + k * 0.1, 1, "", 0, 3, 100 - k // 10, 0.6] for k in range(300)]
+    steps = read(_write(tmp_path / "t.jsonl", rows), T0, T0 + 30)
+    span = TruthReader.of(steps.columns, [(1.0, 700)], 2048).span(0, 30)
+    assert span.backlog and span.label == "l1_kv_pressure"
+    rows = [[T0 + k * 0.1, 1, "", 0, 3, max(0, 20 - k // 10), 0.6] for k in range(300)]  # 20 -> 0
+    steps = read(_write(tmp_path / "u.jsonl", rows), T0, T0 + 30)
+    span = TruthReader.of(steps.columns, [(1.0, 700)], 2048).span(0, 30)
+    assert not span.backlog and span.label == "near_kv_capacity"
