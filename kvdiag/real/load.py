@@ -68,7 +68,9 @@ class Overload:
     what it serves: a real vLLM found limited at 2.25 requests/s drained to idle 5 s later) and
     is at least ``over_service`` x the requests the engine finished per second over the last
     ``lookback`` seconds (its service rate while limited), so the queue grows at a pace of the
-    engine's own. The overload lasts ``hold`` seconds from the first
+    engine's own, and at most ``factor`` x the rate it went to (a client process starved on a
+    loaded machine reads a burst of answers at once: 103 in 10 s from a server that serves 3 a
+    second, which set the arrivals to 21 a second). The overload lasts ``hold`` seconds from the first
     check that found admission limited (``longest`` at most, a bound for an engine that never
     is), then ``drain`` seconds pass without arrivals (fewer: the drain ends ``settle`` seconds
     after admission stopped being limited, so that a story does not end on minutes of an idle
@@ -255,7 +257,7 @@ class Driver:
         self.closed_loop(load.opening)
         t = self._began + load.opening.seconds
         rate, raised, raises = load.rate, t, 0
-        over = t + load.longest
+        over, ceiling = t + load.longest, float("inf")
         while t < over and not self._stop.is_set():
             t = self._arrivals(t, rate, min(t + load.check, over))
             if self._stop.wait(max(0.0, t - time.monotonic())):
@@ -265,7 +267,8 @@ class Driver:
                     self.limited_at = t - self._began
                     over = min(over, t + load.hold)
                     rate *= load.factor
-                rate = max(rate, load.over_service * self.served(load.lookback))
+                    ceiling = rate * load.factor
+                rate = min(max(rate, load.over_service * self.served(load.lookback)), ceiling)
             elif t - raised >= load.patience and limited(load.by, load.patience) < 0.5 and raises < load.raises:
                 rate, raised, raises = rate * load.factor, t, raises + 1
         return self._drain(load, limited, t) - self._began

@@ -170,8 +170,8 @@ def test_an_overload_raises_its_rate_until_the_engine_is_limited_then_holds() ->
     served = iter([1e-9] + [1e-8] * 10)  # what the engine finished per second, at each limited check
     driver.served = lambda seconds: next(served)  # type: ignore[method-assign]
     length = driver.run(load, limited)
-    # two raises, no more; found limited: x factor (above 3 x served), then 3 x served
-    assert [r for _, r in driver.rates] == pytest.approx([1e-9, 2e-9, 4e-9, 8e-9, 3e-8, 0.0], rel=1e-9)
+    # two raises, no more; found limited: x factor (above 3 x served), then 3 x served up to factor x that
+    assert [r for _, r in driver.rates] == pytest.approx([1e-9, 2e-9, 4e-9, 8e-9, 1.6e-8, 0.0], rel=1e-9)
     assert [t for t, _ in driver.rates][:3] == pytest.approx([2 * check, (2 + 3) * check, (2 + 6) * check])
     assert driver.limited_at == pytest.approx((2 + 9) * check)
     assert length == pytest.approx((2 + 9 + 4 + 1 + 1 + 2) * check)  # drain: still limited once, free at the next, +settle
