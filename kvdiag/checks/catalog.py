@@ -149,7 +149,7 @@ CHECKS = (
         "usage + the room the next admission needs >= {saturated_usage}: at every sample of the last "
         "{saturated_short_window} (short window), or in >= {saturated_fraction} of the {window} window "
         "(its 1 - saturated_fraction quantile) and at its end (long window), or, on an engine that reserves output, "
-        "with the queue >= {queue_min_growth} at every sample of the last {saturated_short_window} and every running "
+        "with >= {queue_min_growth} requests waiting and every running "
         "request reserved its whole remaining output (reserve ratio 1) (reserve)",
         ("window", "saturated_usage", "saturated_fraction", "saturated_short_window", "queue_min_growth"),
         ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
@@ -164,7 +164,7 @@ CHECKS = (
         " or (min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}]) + instance:kvdiag_kv_admission_need:ratio{window}"
         " + (1 - instance:kvdiag_decode_reserve:ratio) * instance:kvdiag_output_tokens:avg{window}"
         " * instance:kvdiag_running:requests / instance:kvdiag_kv_capacity:tokens >= {saturated_usage}"
-        " and min_over_time(instance:kvdiag_waiting:requests[{saturated_short_window}]) >= {queue_min_growth})",
+        " and instance:kvdiag_waiting:requests >= {queue_min_growth})",
     ),
     CheckSpec(
         "queue_growing",

@@ -22,10 +22,10 @@ check is the same, and the evidence names the binding pool beside the others and
 evictable / available split.
 
 - **reserve** (an engine whose admission reserves output, i.e. that reports a reserve ratio):
-  the queue stood at ``queue_min_growth`` or more at every sample of ``saturated_short_window``
-  (admission is refusing), and the least usage over that span + need reaches ``saturated_usage`` once every running
-  request is charged its whole remaining output (``reserve_gap``: ``(1 - ratio) x output x
-  running / capacity``). The exported ratio is the floor of what the engine reserves, not what
+  ``queue_min_growth`` or more requests wait (admission is refusing), and the least usage over
+  ``saturated_short_window`` + need reaches ``saturated_usage`` once every running request is
+  charged its whole remaining output (``reserve_gap``: ``(1 - ratio) x output x running /
+  capacity``). The exported ratio is the floor of what the engine reserves, not what
   it reserves: a request that ignores EOS is reserved at 1 whatever the ratio, and one whose
   client asks for far more tokens than it gets is reserved on what it asked for, which no
   metric exports. A real engine of this kind at its defaults (outputs of hundreds of tokens run to their
@@ -37,7 +37,7 @@ Any fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
 
     min_over_time(usage[20s]) + need >= 0.95
     or (quantile_over_time(0.2, usage[5m]) + need >= 0.95 and usage + need >= 0.95)
-    or (min_over_time(waiting[20s]) >= 5
+    or (waiting >= 5
         and min_over_time(usage[20s]) + need + (1 - reserve_ratio) * output_per_request * running / capacity >= 0.95)
 """
 
@@ -73,8 +73,8 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     last = float(usage[-1])
     fast = short_min + adm.need_ratio >= u
     slow = long_q + adm.need_ratio >= u and last + adm.need_ratio >= u
-    gap, standing = reserve_gap(window, config, adm), queue_standing(window, config)
-    reserved = gap is not None and standing and short_min + adm.need_ratio + gap >= u
+    gap, waiting = reserve_gap(window, config, adm), queue_waiting(window, config)
+    reserved = gap is not None and waiting and short_min + adm.need_ratio + gap >= u
     share = float((usage + adm.need_ratio >= u).mean())
     values = {
         "admission_usage_last": adm.admission,
@@ -95,7 +95,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "short_window_pinned": fast,
         "long_window_pinned": slow,
         "reserve_gap_last": gap,
-        "queue_standing": standing,
+        "queue_waiting": waiting,
         "reserve_blocked": reserved,
         "threshold": u,
         "required_share": config.saturated_fraction,
@@ -111,10 +111,10 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         summary += f" (usage gauge {last:.2f} + {adm.need_tokens:,.0f} tokens the next admission needs)"
     earlier = (usage + adm.need_ratio >= u) & ~stats.select(ts, float(ts[-1]), config.saturated_short_window)
     values["reached_before_short_window"] = bool(earlier.any())
-    if gap is not None and standing:
+    if gap is not None and waiting:
         at_full = short_min + adm.need_ratio + gap
-        summary += (f"; the queue stood >= {config.queue_min_growth:g} over the last {config.saturated_short_window:g}s while "
-                    f"the engine reserves output: usage (its least over that span) + need with every running request reserved its whole remaining "
+        summary += (f"; {config.queue_min_growth:g} or more requests wait while "
+                    f"the engine reserves output: usage (its least over the last {config.saturated_short_window:g}s) + need with every running request reserved its whole remaining "
                     f"output (ratio 1, not {adm.reserve_ratio:.3g}) is {against(at_full, u)}"
                     + (": the reserve can be what refuses admission" if reserved else ""))
     if not (fast or slow or reserved) and adm.admission >= u:
@@ -138,13 +138,15 @@ def reserve_gap(window: Window, config: Config, adm: AdmissionUsage) -> float | 
     return (1 - ratio) * output * running / capacity
 
 
-def queue_standing(window: Window, config: Config) -> bool:
-    """The queue held ``queue_min_growth`` or more at every sample of ``saturated_short_window``."""
-    ts, waiting = span(window, config, "waiting")
-    if len(waiting) == 0:
-        return False
-    short = stats.select(ts, window.end, config.saturated_short_window)
-    return bool(short.any()) and float(waiting[short].min()) >= config.queue_min_growth
+def queue_waiting(window: Window, config: Config) -> bool:
+    """Admission is refusing: ``queue_min_growth`` or more requests wait now. The reserve branch
+    asks no more of the queue: its usage term is already the least over
+    ``saturated_short_window``, and an L1 verdict also needs the queue check (a rise within a
+    minute, a backlog or a standing queue). Asking the queue to have stood at the floor for the
+    whole short window as well named a real engine's reserve-bound pool 20-31 s after its first
+    sustained refusal (the queue grows from 1 to the floor first), and 10 s sooner without it."""
+    _, waiting = span(window, config, "waiting")
+    return len(waiting) > 0 and float(waiting[-1]) >= config.queue_min_growth
 
 
 def against(value: float, threshold: float) -> str:

@@ -13,6 +13,7 @@ import argparse
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -22,7 +23,8 @@ from kvdiag.report.live import Exporter, StoryClock, deadline, watch
 from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.engines import Engine
-from kvdiag.real.load import Driver, OpenLoop, Phase
+from kvdiag.real.load import Driver, Overload
+from kvdiag.real.truth import Tail
 from kvdiag.report.diagnosis import render as render_diagnoses
 
 DURATION_S = 240.0
@@ -41,7 +43,8 @@ def run_real(args: argparse.Namespace, console: Console) -> int:
     console.print("  each server takes 1-4 minutes to start (more on a busy machine); both run at once, with the load, on every core", highlight=False)
     for engine in envs.ENGINES:
         envs.build(engine)
-    load = OpenLoop((story.load.phases[0], Phase(duration, story.load.phases[1].rate)))
+    assert isinstance(story.load, Overload)
+    load = replace(story.load, hold=duration, longest=duration, drain=0.0)  # the overload until the demo ends
     with tempfile.TemporaryDirectory(prefix="kvdiag-demo-") as tmp:
         engines: list[Engine] = []
         drivers: list[Driver] = []
@@ -57,7 +60,7 @@ def run_real(args: argparse.Namespace, console: Console) -> int:
                           highlight=False, soft_wrap=True)  # fmt: skip
             for e in engines:
                 driver = Driver(e.url, story.shape)
-                threading.Thread(target=driver.run, args=(load,), daemon=True).start()
+                threading.Thread(target=driver.run, args=(load, Tail(e.truth_path).limited), daemon=True).start()
                 drivers.append(driver)
             header = "t={t:.0f}s on real engines (wall clock); checks over the last " f"{CHECKS.window:g}s; rates per minute"
             rows = watch(console, exporter, clocks, deadline(duration), interval, not args.no_live, header)

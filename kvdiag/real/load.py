@@ -1,8 +1,15 @@
 """Load on a real engine's OpenAI endpoint, as its users would send it, with client-side TTFT.
 
-Two shapes of traffic, because they overload an engine differently:
+Three shapes of traffic, because they overload an engine differently:
 * an **open loop** (``OpenLoop``): Poisson arrivals at a rate per phase, whatever the engine
   does; in overload the waiting queue grows without bound;
+* an **overload that follows the engine** (``Overload``): a light closed-loop opening, then an
+  open loop whose overload is found, not fixed. The rate an engine serves depends on the machine it runs on (a 1.5 requests/s
+  overload on a loaded 2-core machine was served with nothing waiting on the same 2 cores idle),
+  so the driver reads what the engine's own scheduler decided (the truth hook, through a
+  ``Limited`` callable) and raises the rate until admission is limited as the story needs (then
+  to a multiple of the rate the engine serves), and holds the overload a set time from there: on any machine the story overloads, and lasts long
+  enough after the overload began to judge how soon kvdiag named it;
 * a **closed loop** (``ClosedLoop``): N clients, each sending its next request when the last
   answer returns (benchmarks, many gateways); the queue cannot exceed N minus running.
 
@@ -23,7 +30,7 @@ import string
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import requests
 
@@ -49,6 +56,48 @@ class OpenLoop:
 class ClosedLoop:
     clients: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class Overload:
+    """An ``opening`` of a few closed-loop clients (light on a machine of any speed: one or two
+    requests fit the smallest pool), then Poisson arrivals from ``rate`` on, multiplied by
+    ``factor`` (``raises`` times at most) whenever admission was limited ``by`` ("kv", or a cap
+    of kvdiag/real/truth.py ``CAPS``) in less than half of the last ``patience`` seconds. Once it
+    is limited, the rate goes up by ``factor`` once more (the rate that first limits it is about
+    what it serves: a real vLLM found limited at 2.25 requests/s drained to idle 5 s later) and
+    is at least ``over_service`` x the requests the engine finished per second over the last
+    ``lookback`` seconds (its service rate while limited), so the queue grows at a pace of the
+    engine's own, and at most ``factor`` x the rate it went to (a client process starved on a
+    loaded machine reads a burst of answers at once: 103 in 10 s from a server that serves 3 a
+    second, which set the arrivals to 21 a second). The overload lasts ``hold`` seconds from the first
+    check that found admission limited (``longest`` at most, a bound for an engine that never
+    is), then ``drain`` seconds pass without arrivals (fewer: the drain ends ``settle`` seconds
+    after admission stopped being limited, so that a story does not end on minutes of an idle
+    engine). The engine is asked every ``check`` seconds about the last ``lookback``."""
+
+    opening: ClosedLoop
+    rate: float
+    hold: float
+    drain: float = 0.0
+    settle: float = 20.0
+    by: str = "kv"
+    patience: float = 15.0
+    factor: float = 1.5
+    raises: int = 4
+    over_service: float = 2.0
+    longest: float = 300.0
+    check: float = 5.0
+    lookback: float = 10.0
+
+    @property
+    def seconds(self) -> float:
+        """The longest the load can last (its length is the engine's to decide)."""
+        return self.opening.seconds + self.longest + self.drain
+
+
+#: The share of the last ``seconds`` of the engine's steps that admission was limited ``by``.
+Limited = Callable[[str, float], float]
 
 
 @dataclass(frozen=True)
@@ -114,7 +163,12 @@ class Driver:
         self._stop = threading.Event()
         self._open: set[requests.Response] = set()
         self._lock = threading.Lock()
+        self._began = time.monotonic()
         self._threads: list[threading.Thread] = []
+        #: (seconds from the load's start, arrivals per second) at each change of rate
+        self.rates: list[tuple[float, float]] = []
+        #: seconds from the load's start to the first check that found admission limited
+        self.limited_at: float | None = None
 
     # ------------------------------------------------------------------ one request
     def _prompt(self, rng: random.Random) -> tuple[str, int, int]:
@@ -178,17 +232,69 @@ class Driver:
         """Arrivals for the phases' total time (blocks until the last is sent)."""
         t = time.monotonic()
         for phase in load.phases:
-            end = t + phase.seconds
-            while phase.rate > 0:
-                t += self.rng.expovariate(phase.rate)
-                if t >= end:
-                    break
-                if self._stop.wait(max(0.0, t - time.monotonic())):
-                    return
-                self._spawn(self.rng.getrandbits(32))
-            t = end
+            t = self._arrivals(t, phase.rate, t + phase.seconds)
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 return
+
+    def _arrivals(self, t: float, rate: float, end: float) -> float:
+        """Poisson arrivals at ``rate`` from monotonic time ``t`` until ``end``; returns ``end``
+        (or where ``stop`` cut them short)."""
+        if not self.rates or self.rates[-1][1] != rate:
+            self.rates.append((t - self._began, rate))
+        while rate > 0:
+            t += self.rng.expovariate(rate)
+            if t >= end:
+                break
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                return t
+            self._spawn(self.rng.getrandbits(32))
+        return end
+
+    def overload(self, load: Overload, limited: Limited) -> float:
+        """``load`` (class docstring); blocks until its end and returns its length in seconds.
+        Its decisions depend on ``limited``'s answers and the requests finished alone, not on
+        how late the checks run."""
+        self.closed_loop(load.opening)
+        t = self._began + load.opening.seconds
+        rate, raised, raises = load.rate, t, 0
+        over, ceiling = t + load.longest, float("inf")
+        while t < over and not self._stop.is_set():
+            t = self._arrivals(t, rate, min(t + load.check, over))
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                break
+            if limited(load.by, load.lookback) >= 0.5:
+                if self.limited_at is None:  # the rate found is at the engine's service rate: go clearly above it
+                    self.limited_at = t - self._began
+                    over = min(over, t + load.hold)
+                    rate *= load.factor
+                    ceiling = rate * load.factor
+                rate = min(max(rate, load.over_service * self.served(load.lookback)), ceiling)
+            elif t - raised >= load.patience and limited(load.by, load.patience) < 0.5 and raises < load.raises:
+                rate, raised, raises = rate * load.factor, t, raises + 1
+        return self._drain(load, limited, t) - self._began
+
+    def _drain(self, load: Overload, limited: Limited, t: float) -> float:
+        """No arrivals from ``t`` until ``settle`` seconds after admission stopped being limited
+        (or ``drain`` seconds); returns where the drain ended (monotonic seconds)."""
+        end, free_since = t + load.drain, None
+        self._arrivals(t, 0.0, t)  # logs the rate's end
+        while t < end and not self._stop.is_set():
+            t = self._arrivals(t, 0.0, min(t + load.check, end))
+            if self._stop.wait(max(0.0, t - time.monotonic())):
+                break
+            if limited(load.by, load.lookback) >= 0.5:
+                free_since = None
+            else:
+                free_since = t if free_since is None else free_since
+                if t - free_since >= load.settle:
+                    break
+        return t
+
+    def served(self, seconds: float) -> float:
+        """Requests answered to their end per second over the last ``seconds``."""
+        since = time.time() - seconds
+        with self._lock:
+            return sum(r.finished is not None and r.finished >= since and not r.error for r in self.records) / seconds
 
     def closed_loop(self, load: ClosedLoop) -> None:
         """``clients`` loops until ``seconds`` have passed (blocks that long)."""
@@ -205,8 +311,19 @@ class Driver:
             self._threads.append(c)
         self._stop.wait(max(0.0, end - time.monotonic()))
 
-    def run(self, load: OpenLoop | ClosedLoop) -> None:
-        (self.open_loop if isinstance(load, OpenLoop) else self.closed_loop)(load)  # type: ignore[operator]
+    def run(self, load: OpenLoop | ClosedLoop | Overload, limited: Limited | None = None) -> float:
+        """``load`` from now on (blocks until its end); returns its length in seconds. An
+        ``Overload`` needs ``limited``: what the engine's scheduler decided lately."""
+        self._began = time.monotonic()
+        if isinstance(load, Overload):
+            if limited is None:
+                raise ValueError("an Overload follows the engine: it needs what limited its admission (limited=)")
+            return self.overload(load, limited)
+        if isinstance(load, OpenLoop):
+            self.open_loop(load)
+        else:
+            self.closed_loop(load)
+        return load.seconds
 
     def stop(self, wait: float = 30.0) -> None:
         """Close every open stream (the server aborts those requests) and join the clients."""

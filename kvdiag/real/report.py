@@ -34,7 +34,18 @@ def line(run: StoryRun) -> str:
         f"{run.story.name} on {run.engine}: final truth {r.expected}, verdict {r.verdict}; instants right {r.right}/{len(r.scored)}, "
         f"misleading {r.misleading}, false alarms {r.false_alarms}; first KV refusal {_s(run.first_kv_refusal)}, "
         f"first L1 verdict {_s(r.detected)}; client P99 TTFT {clients['p99_ttft_s']} s over {clients['first_token']} requests"
+        + _load(run)
     )
+
+
+def _load(run: StoryRun) -> str:
+    """An open loop's arrival rates as the story set them, and (an ``Overload``) when it found
+    the engine limited: the load that machine needed."""
+    if not run.rates:
+        return ""
+    rates = ", ".join(f"{r:.2f}/s from {t:.0f}s" for t, r in run.rates)
+    found = "" if run.limited_at is None else f", admission limited from {run.limited_at:.0f}s"
+    return f"; arrivals {rates}{found}; {run.seconds:.0f}s in all"
 
 
 def validate_real(args: argparse.Namespace, config: Config, render: Callable[[Console, Report], None]) -> int:

@@ -43,6 +43,11 @@ class StoryRun:
     steps: truth_log.Steps
     records: list[Record]
     scrapes: list[Scrape] = field(repr=False)
+    #: (seconds, arrivals per second) at each change of an open loop's rate, and when an
+    #: ``Overload`` found admission limited (kvdiag/real/load.py): the load the engine was given
+    rates: list[tuple[float, float]] = field(default_factory=list)
+    limited_at: float | None = None
+    seconds: float = 0.0  # how long the story ran (an Overload's length follows the engine)
 
     @property
     def first_kv_refusal(self) -> float | None:
@@ -57,6 +62,8 @@ class StoryRun:
             "first_kv_refusal_s": None if self.first_kv_refusal is None else round(self.first_kv_refusal, 1),
             "clients": {"sent": len(self.records), "first_token": len(done), "p99_ttft_s": None if p99 is None else round(p99, 2),
                         "errors": sum(bool(r.error) and r.error != "stopped" for r in self.records)},
+            "load": {"seconds": round(self.seconds, 1), "rates": [(round(t, 1), round(r, 3)) for t, r in self.rates],
+                     "limited_at_s": None if self.limited_at is None else round(self.limited_at, 1)},
             "truth_per_second": self.steps.per_second(),
         }  # fmt: skip
 
@@ -117,29 +124,38 @@ def run_story(story: Story, engine: Engine, config: Config | None = None, record
     wait_idle(engine)
     writer = RecordingWriter(recording) if recording is not None else None
     driver = Driver(engine.url, story.shape, seed)
+    tail = truth_log.Tail(engine.truth_path)
     t0 = time.time()
     scraper = Scraper(engine.url, writer=writer).start()
     try:
-        driver.run(story.load)
-        time.sleep(max(0.0, t0 + story.seconds - time.time()))
+        end = driver.run(story.load, tail.limited)
+        time.sleep(max(0.0, t0 + end - time.time()))
     finally:
         scrapes = scraper.stop()
         driver.stop()
         if writer is not None:
             writer.close()
-    end = story.seconds
     wait_idle(engine)
     steps = truth_log.read(engine.truth_path, t0, t0 + end)
-    samples: list[PoolSample] = [s for sc in scrapes if sc.ts - t0 <= end + 1e-6 for s in normalize_scrape(sc, name)]
-    if not samples:
+    if not scrapes:
         raise RuntimeError(f"{story.name} on {name}: no scrape of {engine.url}/metrics succeeded ({scraper.failures[:1]})")
+    result = score(story, name, engine.spec.pool_tokens, scrapes, steps, driver.records, end, config)
+    return StoryRun(story, name, result, steps, driver.records, scrapes, driver.rates, driver.limited_at, end)
+
+
+def score(story: Story, engine: str, pool_tokens: int, scrapes: list[Scrape], steps: truth_log.Steps, records: list[Record],
+          end: float, config: Config) -> Result:
+    """The story's verdicts at each scrape (until ``end`` seconds from the steps' ``t0``) scored
+    against the engine's steps and what its clients saw: a run told once can be scored again
+    (a recording, the truth file and the records of the clients keep it all)."""
+    t0 = steps.t0
+    samples: list[PoolSample] = [s for sc in scrapes if sc.ts - t0 <= end + 1e-6 for s in normalize_scrape(sc, engine)]
     timeline = [(round(t + EPOCH - t0, 3), v) for t, v in verdicts_over_time(samples, config)]
-    done = sorted((r.finished - t0, r.prompt_tokens + r.received) for r in driver.records if r.finished is not None and not r.error)
-    firsts = sorted((r.first_token - t0, r.ttft) for r in driver.records if r.first_token is not None and r.ttft is not None)
-    reader = TruthReader.of(steps.columns, done, engine.spec.pool_tokens)
+    done = sorted((r.finished - t0, r.prompt_tokens + r.received) for r in records if r.finished is not None and not r.error)
+    firsts = sorted((r.first_token - t0, r.ttft) for r in records if r.first_token is not None and r.ttft is not None)
+    reader = TruthReader.of(steps.columns, done, pool_tokens)
     tr = read_truth(reader, end, config, slo_breach(firsts, end, config.ttft_slo))
-    result = judge(story.name, name, reader, tr, timeline, time.time() - t0)
-    return StoryRun(story, name, result, steps, driver.records, scrapes)
+    return judge(story.name, engine, reader, tr, timeline, time.time() - t0)
 
 
 def run_catalogue(

@@ -14,7 +14,9 @@ span the final verdict is judged on (the last ``Config.window`` seconds of the r
 * **backlog**: requests wait and the wait does not drain: the true waiting count averages at least
   ``QUEUE_FLOOR`` (5) requests over the span (fewer is the jitter of arrivals), and its last third
   holds no fewer than its first, less ``QUEUE_FLOOR`` or 10 % (a closed loop's queue stands at
-  clients minus running, a few requests up and down: it stands, it does not drain).
+  clients minus running, a few requests up and down: it stands, it does not drain), or it never
+  fell below ``QUEUE_FLOOR`` in the span (a queue of a hundred draining by a quarter in 30 s
+  behind a real SGLang's KV refusals still holds requests back: the pool limits there).
 * **recompute**: at least one running request was retracted / preempted in the span's last
   ``Config.evictions_recent_window`` seconds, or earlier in the span while L1 bound (admission
   blocked on KV at least half of the time) over those last seconds: the spans the eviction check
@@ -306,7 +308,8 @@ class TruthReader:
         waiting = st["waiting"][lo:hi].astype(float)
         third = max(1, len(waiting) // 3)
         first, last = (float(waiting[:third].mean()), float(waiting[-third:].mean())) if len(waiting) else (0.0, 0.0)
-        backlog = bool(len(waiting)) and waiting.mean() >= QUEUE_FLOOR and last >= first - max(QUEUE_FLOOR, 0.1 * first)
+        standing = bool(len(waiting)) and float(waiting.min()) >= QUEUE_FLOOR
+        backlog = bool(len(waiting)) and waiting.mean() >= QUEUE_FLOOR and (last >= first - max(QUEUE_FLOOR, 0.1 * first) or standing)
         a, b = np.searchsorted(self.finished, [start, end], side="left")
         mean_size = float(self.sizes[a:b].mean()) if b > a else 0.0
         free_requests = (1.0 - st["usage"][lo:hi]) * self.capacity / max(mean_size, 1.0)

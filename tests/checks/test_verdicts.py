@@ -463,6 +463,21 @@ def test_reserve_blocked_admission_is_l1_where_the_gauge_never_pins() -> None:
     assert "500 output tokens each" in text and "retracting" in text
 
 
+def test_a_queue_that_has_just_reached_the_floor_behind_the_reserve_is_named_at_once() -> None:
+    """A real SGLang's open-loop overload: the reserve refuses admission and the queue grows
+    from the first refusal (0 for 50 s, then +1 a scrape). The reserve branch fires at the
+    first sample with queue_min_growth waiting (the queue check's rise fires there too), not
+    after the queue has stood at the floor for the whole short window (20 s later)."""
+    grow = dict(RESERVE_BLOCKED, waiting=lambda i: max(0, i - 54), steps=60)  # 5 waiting at the last sample
+    d = run("sglang", **grow)
+    s = d.checks["kv_usage_saturated"]
+    assert s.evidence.values["queue_waiting"] is True and s.evidence.values["reserve_blocked"] is True, s.evidence.summary
+    assert d.verdict.name == "l1_kv_pressure", d.verdict.reason
+    before = run("sglang", **dict(grow, steps=59))  # 4 waiting: below the floor, not yet admission refusing
+    assert before.checks["kv_usage_saturated"].evidence.values["reserve_blocked"] is False
+    assert before.verdict.name != "l1_kv_pressure"
+
+
 def test_reserve_branch_needs_a_standing_queue_and_a_reserving_engine() -> None:
     quiet = run("sglang", **{**RESERVE_BLOCKED, "waiting": const(0)})
     assert quiet.checks["kv_usage_saturated"].status == "ok" and quiet.verdict.name == "healthy"
