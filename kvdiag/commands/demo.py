@@ -98,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
         highlight=False, soft_wrap=True,
     )  # fmt: skip
     stop = threading.Event()
-    # the story starts once the exporter is up, so its healthy opening is seen
+    # the story starts once the exporter is up, so its healthy opening is seen; each engine runs
+    # at most one scrape interval of story ahead of what the exporter has read from it
+    step = args.interval * args.speed
     drivers = [
-        threading.Thread(target=sim.follow_wall_clock, args=(args.speed, args.duration * args.speed, stop), daemon=True)
-        for sim in sims
+        threading.Thread(target=sim.follow_wall_clock, args=(args.speed, args.duration * args.speed, stop),
+                         kwargs={"ahead": lambda c=clock: c.shown() + step}, daemon=True)  # fmt: skip
+        for sim, clock in zip(sims, clocks.values())
     ]
     for driver in drivers:
         driver.start()

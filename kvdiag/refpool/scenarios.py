@@ -235,19 +235,33 @@ class ScenarioRun:
             return {}
 
     def follow_wall_clock(
-        self, speed: float, duration: float, stop: threading.Event, lagging: Callable[[float], None] | None = None
+        self,
+        speed: float,
+        duration: float,
+        stop: threading.Event,
+        lagging: Callable[[float], None] | None = None,
+        ahead: Callable[[], float] | None = None,
     ) -> None:
         """Advance simulated time in step with wall time x ``speed`` from now until ``duration``
         (or ``stop``), for a live server. Calls ``lagging(seconds behind)`` once when the
-        simulator cannot keep up (simulated time then lags behind)."""
-        t0 = time.monotonic()
+        simulator cannot keep up (simulated time then lags behind). ``ahead()``, where given, is
+        the furthest the story may be now: the demo holds each engine one scrape ahead of what
+        its exporter has read, so that an exporter starved on a busy machine slows the story
+        instead of reading it in jumps; held time is not caught up afterwards."""
+        last = time.monotonic()
+        story = 0.0  # where wall time x speed, less the holds, has taken the story
         warned = False
         while not stop.is_set():
-            target = min((time.monotonic() - t0) * speed, duration)
+            now = time.monotonic()
+            story += (now - last) * speed
+            last = now
+            if ahead is not None:
+                story = min(story, ahead())
+            target = min(story, duration)
             self.advance(target)
             if target >= duration:
                 return
-            behind = (time.monotonic() - t0) * speed - self.now
+            behind = story + (time.monotonic() - last) * speed - self.now
             if behind > 10 * speed * TICK_S and not warned and lagging is not None:
                 lagging(behind)
                 warned = True

@@ -55,6 +55,11 @@ class StoryClock:
                 return np.asarray(wall, dtype=float)
             return np.interp(wall, self._wall, self._story)
 
+    def shown(self) -> float:
+        """How far into the story (simulated seconds) the engine's newest scrape was; 0 before one."""
+        with self._lock:
+            return self._story[-1] - self.origin if self._story else 0.0
+
     def reached(self, story_seconds: float) -> bool:
         """Whether the engine has served a scrape ``story_seconds`` or more into the story."""
         with self._lock:
