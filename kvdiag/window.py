@@ -30,23 +30,28 @@ SCHEDULER_GAUGES = ("usage_ratio", "used_tokens", "evictable_tokens", "available
                     "waiting_capacity", "waiting_deferred", "transfers_in_flight")  # fmt: skip
 
 
-def empty_readings(running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, finished: np.ndarray) -> np.ndarray:
+def empty_readings(running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, finished: np.ndarray,
+                   generated: np.ndarray) -> np.ndarray:  # fmt: skip
     """Scrapes whose scheduler gauges read an empty engine (nothing running or waiting, the
-    pool's usage 0 or absent) although the requests in it at the last believable scrape have
-    not all finished since (``finished``, the finished-request counter, rose by less than
-    their number, and did not restart). Requests leave an engine only by finishing, so such a
-    reading is impossible. Seen on real vLLM 0.32 under a saturating closed loop scraped by
-    Prometheus, an exporter and ``diagnose`` at once: running, waiting and KV usage all 0 in 7
-    of 24 scrapes while the counters kept rising, which otherwise reads a pinned pool as idle."""
+    pool's usage 0 or absent) although the engine generated tokens since the scrape before and
+    the requests in it at the last believable scrape have not all finished since (``finished``,
+    the finished-request counter, rose by less than their number, and did not restart).
+    Requests leave an engine only by finishing, so such a reading is impossible. Seen on real
+    vLLM 0.32 under a saturating closed loop scraped by Prometheus, an exporter and ``diagnose``
+    at once: running, waiting and KV usage all 0 in 7 of 24 scrapes while its counters kept
+    rising, which otherwise reads a pinned pool as idle. An engine that generates nothing is
+    believed empty (clients that all went away, where an engine does not count aborts)."""
     out = np.zeros(len(running), dtype=bool)
     held: float | None = None  # requests in the engine at the last believable scrape
     done_then = math.nan  # the finished counter then
+    made = math.nan  # the generated-token counter at the scrape before
     for i in range(len(running)):
-        r, w, u, f = float(running[i]), float(waiting[i]), float(usage[i]), float(finished[i])
+        r, w, u, f, g = float(running[i]), float(waiting[i]), float(usage[i]), float(finished[i]), float(generated[i])
+        working, made = made < g, g if not math.isnan(g) else made
         if math.isnan(r) or math.isnan(w):
             continue
         empty = r == 0 and w == 0 and (math.isnan(u) or u == 0)
-        if empty and held and not math.isnan(f) and not math.isnan(done_then) and done_then <= f < done_then + held:
+        if empty and working and held and not math.isnan(done_then) and done_then <= f < done_then + held:
             out[i] = True
             continue
         held, done_then = r + w, f
@@ -395,7 +400,7 @@ class Window:
                 self._empty = np.zeros(len(self.column("ts")), dtype=bool)
             else:
                 self._empty = empty_readings(*(self._reported(n) for n in ("running", "waiting", "usage_ratio")),
-                                             self.column("requests_total"))  # fmt: skip
+                                             self.column("requests_total"), self.column("generation_tokens_total"))  # fmt: skip
         return self._empty
 
     def _within(self, part: str, col: np.ndarray, whole: str) -> np.ndarray:

@@ -80,6 +80,7 @@ def test_histogram_restart_where_a_bucket_refills_past_its_old_count() -> None:
 
 
 def _busy(ts: float, finished: float, running: float = 7.0, waiting: float = 17.0, usage: float = 0.97, **kw: object) -> PoolSample:
+    kw.setdefault("generation_tokens_total", 300.0 * ts)  # generating all along
     return _sample(ts, running=running, waiting=waiting, usage_ratio=usage, requests_total=finished, **kw)
 
 
@@ -106,6 +107,8 @@ def test_an_empty_reading_of_a_busy_engine_is_absent() -> None:
         [_sample(0, running=7.0, waiting=17.0), _sample(5, running=0.0, waiting=0.0)],
         # the pool still holds KV: not the empty snapshot
         [_busy(0, 100), _busy(5, 101, 0.0, 0.0, 0.4)],
+        # nothing generated since: the clients went away (an engine that does not count aborts)
+        [_busy(0, 100), _busy(5, 100, 0.0, 0.0, 0.0, generation_tokens_total=0.0)],
         # a prefill instance hands its requests on without finishing them
         [_busy(0, 100, role="prefill"), _busy(5, 100, 0.0, 0.0, 0.0, role="prefill")],
     ],
