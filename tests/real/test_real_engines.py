@@ -24,7 +24,7 @@ import re
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -33,9 +33,10 @@ import pytest
 from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.engines import Engine
-from kvdiag.real.load import ClosedLoop, Driver, Overload
+from kvdiag.real.load import Driver, Overload
 from kvdiag.real.report import line
 from kvdiag.real.stories import StoryRun, run_story, wait_idle
+from kvdiag.real.truth import Tail
 from kvdiag.refpool.validate import L1_VERDICTS
 from kvdiag.sources.recording import read_recording
 from tests.conftest import hang_guard
@@ -47,10 +48,13 @@ from tests.server.test_page import CHROMIUM, FLAGS
 STORY = STORIES[CI_STORY]
 ALERTS = (ALERT, "KvdiagL1KVPoolPressure")  # vLLM's L1 alert: bottleneck once evictions grow, pressure before
 STACK_BUDGET_S = 600.0  # a hang guard: the alert fires about 60 s into the overload on 2 idle cores
-#: The stack test's load: a closed loop saturates the pool on a machine of any speed (the open loop's
-#: 1.5 requests/s was served with nothing waiting on 2 idle cores, so nothing there was L1's doing).
-STACK_LOAD = STORIES["closed-loop-saturation"]
-assert STACK_LOAD.spec("vllm") == STORY.spec("vllm"), "the stack test runs on the CI story's server"
+#: The stack test's load: the CI story's overload, which raises its arrivals until the engine's own
+#: scheduler refuses for KV, held for as long as the test needs. A fixed open loop of 1.5
+#: requests/s was served with nothing waiting on 2 idle cores; 24 closed-loop clients were
+#: starved on the CI machine (the engine's truth: 1 running, 0 waiting half the time, the clients
+#: still reading answers the engine had finished), so neither held the pool.
+assert isinstance(STORY.load, Overload)
+STACK_LOAD = replace(STORY.load, hold=2 * STACK_BUDGET_S, longest=2 * STACK_BUDGET_S, drain=0.0)
 
 
 def _environment(engine: str) -> None:
@@ -149,11 +153,10 @@ def test_vllm_saturation_named_within_30s(vllm_saturation: Told) -> None:
 
 
 def _overload(engine: Engine) -> Driver:
-    """The closed-loop story's clients, in the background until ``stop``: the queue stands at
-    clients minus running for as long as the test needs."""
-    assert isinstance(STACK_LOAD.load, ClosedLoop)
-    driver = Driver(engine.url, STACK_LOAD.shape, seed=1)
-    threading.Thread(target=driver.run, args=(ClosedLoop(STACK_LOAD.load.clients, 2 * STACK_BUDGET_S),), daemon=True).start()
+    """The CI story's overload, in the background until ``stop``: arrivals follow the engine
+    until it refuses for KV and stay above what it serves, so the queue grows all along."""
+    driver = Driver(engine.url, STORY.shape, seed=1)
+    threading.Thread(target=driver.run, args=(STACK_LOAD, Tail(engine.truth_path).limited), daemon=True).start()
     return driver
 
 
