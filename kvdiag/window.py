@@ -42,6 +42,8 @@ def empty_readings(running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, 
     rising, which otherwise reads a pinned pool as idle. An engine that generates nothing is
     believed empty (clients that all went away, where an engine does not count aborts)."""
     out = np.zeros(len(running), dtype=bool)
+    if not ((running == 0) & (waiting == 0)).any():
+        return out  # the common case, and the window is re-read at every evaluation: no loop
     held: float | None = None  # requests in the engine at the last believable scrape
     done_then = math.nan  # the finished counter then
     made = math.nan  # the generated-token counter at the scrape before
