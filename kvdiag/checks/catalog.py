@@ -150,7 +150,7 @@ CHECKS = (
         "{saturated_short_window} (short window), or in >= {saturated_fraction} of the {window} window "
         "(its 1 - saturated_fraction quantile) and at its end (long window), or, on an engine that reserves output, "
         "with >= {queue_min_growth} requests waiting and every running "
-        "request reserved its whole remaining output (reserve ratio 1) (reserve)",
+        "request (the most over {saturated_short_window}) reserved its whole remaining output (reserve ratio 1) (reserve)",
         ("window", "saturated_usage", "saturated_fraction", "saturated_short_window", "queue_min_growth"),
         ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
          "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total",
@@ -163,7 +163,8 @@ CHECKS = (
         " and instance:kvdiag_kv_usage:ratio + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage})"
         " or (min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}]) + instance:kvdiag_kv_admission_need:ratio{window}"
         " + (1 - instance:kvdiag_decode_reserve:ratio) * instance:kvdiag_output_tokens:avg{window}"
-        " * instance:kvdiag_running:requests / instance:kvdiag_kv_capacity:tokens >= {saturated_usage}"
+        " * max_over_time(instance:kvdiag_running:requests[{saturated_short_window}]) / instance:kvdiag_kv_capacity:tokens"
+        " >= {saturated_usage}"
         " and instance:kvdiag_waiting:requests >= {queue_min_growth})",
     ),
     CheckSpec(

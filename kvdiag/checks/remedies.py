@@ -204,13 +204,14 @@ def reserve_figures(saturated: CheckResult, window: Window) -> Figures:
     gap = v.get("reserve_gap_last")
     if not v.get("reserve_blocked") or v.get("short_window_pinned") or v.get("long_window_pinned"):
         return {}
-    if not isinstance(gap, float) or not cap or window.last.running is None:
+    running = v.get("reserve_running")
+    if not isinstance(gap, float) or not cap or not isinstance(running, float):
         return {}
     return {
         "reserve_tokens": int(round(gap * cap)),
         "reserve_share": gap,
         "reserve_usage": v.get("usage_last"),
-        "reserve_running": int(window.last.running),
+        "reserve_running": int(running),
         "reserve_ratio": v.get("reserve_ratio_last"),
         "reserve_output": v.get("output_per_request"),
     }

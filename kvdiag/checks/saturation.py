@@ -25,7 +25,7 @@ evictable / available split.
   ``queue_min_growth`` or more requests wait (admission is refusing), and the least usage over
   ``saturated_short_window`` + need reaches ``saturated_usage`` once every running request is
   charged its whole remaining output (``reserve_gap``: ``(1 - ratio) x output x running /
-  capacity``). The exported ratio is the floor of what the engine reserves, not what
+  capacity``, running the most over the short window). The exported ratio is the floor of what the engine reserves, not what
   it reserves: a request that ignores EOS is reserved at 1 whatever the ratio, and one whose
   client asks for far more tokens than it gets is reserved on what it asked for, which no
   metric exports. A real engine of this kind at its defaults (outputs of hundreds of tokens run to their
@@ -38,7 +38,8 @@ Any fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
     min_over_time(usage[20s]) + need >= 0.95
     or (quantile_over_time(0.2, usage[5m]) + need >= 0.95 and usage + need >= 0.95)
     or (waiting >= 5
-        and min_over_time(usage[20s]) + need + (1 - reserve_ratio) * output_per_request * running / capacity >= 0.95)
+        and min_over_time(usage[20s]) + need
+            + (1 - reserve_ratio) * output_per_request * max_over_time(running[20s]) / capacity >= 0.95)
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "short_window_pinned": fast,
         "long_window_pinned": slow,
         "reserve_gap_last": gap,
+        "reserve_running": reserve_running(window, config),
         "queue_waiting": waiting,
         "reserve_blocked": reserved,
         "threshold": u,
@@ -129,13 +131,25 @@ def evaluate(window: Window, config: Config) -> CheckResult:
 
 def reserve_gap(window: Window, config: Config, adm: AdmissionUsage) -> float | None:
     """What admission would count beyond ``need`` if every running request were reserved its
-    whole remaining output: ``(1 - ratio) x output x running / capacity`` (module docstring);
-    None on an engine that reserves no output, or where an input is missing."""
-    last = window.last
-    ratio, output, running, capacity = adm.reserve_ratio, adm.output_per_request, last.running, last.capacity_tokens
+    whole remaining output: ``(1 - ratio) x output x running / capacity``, running as
+    ``reserve_running`` counts them (module docstring); None on an engine that reserves no
+    output, or where an input is missing."""
+    ratio, output, capacity = adm.reserve_ratio, adm.output_per_request, window.last.capacity_tokens
+    running = reserve_running(window, config)
     if ratio is None or output is None or running is None or not capacity:
         return None
     return (1 - ratio) * output * running / capacity
+
+
+def reserve_running(window: Window, config: Config) -> float | None:
+    """The most requests running over ``saturated_short_window``, not the newest reading: an
+    engine that publishes its gauges as it schedules a prefill counts the requests that batch
+    admits among the waiting no more and among the running not yet. A real engine of this kind whose reserve
+    held 2-3 requests running beside 20 waiting read 1 running at such scrapes (its usage just
+    after a request finished, 0.26-0.41), which put the reserve bound at 0.75-0.90 for a scrape."""
+    ts, running = span(window, config, "running")
+    short = running[stats.select(ts, window.end, config.saturated_short_window)]
+    return float(short.max()) if len(short) else None
 
 
 def queue_waiting(window: Window, config: Config) -> bool:

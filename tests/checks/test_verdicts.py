@@ -463,6 +463,20 @@ def test_reserve_blocked_admission_is_l1_where_the_gauge_never_pins() -> None:
     assert "500 output tokens each" in text and "retracting" in text
 
 
+def test_a_scrape_taken_at_a_prefill_does_not_hide_the_reserve() -> None:
+    """A real SGLang held by its reserve (2-3 running, 20-22 waiting) read 1 running at the
+    scrapes its gauges were published at a prefill: the request being admitted counted neither
+    waiting nor running. The reserve is charged for the most running over the short window, so
+    that scrape stays L1 (with the newest reading alone the bound fell to 0.75-0.90 and the
+    verdict to queue_without_kv_pressure), and the remedy counts the 3."""
+    d = run("sglang", **dict(RESERVE_BLOCKED, running=lambda i: 1 if i == 59 else 3))
+    s = d.checks["kv_usage_saturated"].evidence.values
+    assert s["reserve_blocked"] is True and s["reserve_running"] == 3, d.checks["kv_usage_saturated"].evidence.summary
+    assert d.verdict.name == "l1_kv_pressure", d.verdict.reason
+    (text,) = [r for r in d.remedies if "output reserve" in r]
+    assert "while 3 running requests" in text, text
+
+
 def test_a_queue_that_has_just_reached_the_floor_behind_the_reserve_is_named_at_once() -> None:
     """A real SGLang's open-loop overload: the reserve refuses admission and the queue grows
     from the first refusal (0 for 50 s, then +1 a scrape). The reserve branch fires at the
