@@ -34,12 +34,14 @@ from kvdiag.real.load import ClosedLoop, Record, Requests
 from kvdiag.real.truth import Steps, steps_of
 from kvdiag.refpool import workload
 from kvdiag.refpool.roofline import StepLaw, work
+from kvdiag.refpool.sglang.prefill_budget import CLIP_MAX_NEW_TOKENS
 from kvdiag.refpool.sglang.scheduler import SGLangScheduler
 from kvdiag.refpool.sim import Simulation
 from kvdiag.refpool.types import EngineScheduler, SimRequest, StepPlan
 from kvdiag.refpool.vllm.scheduler import VLLMScheduler
 from kvdiag.whatif.steptime import Points, fit_law
 
+CLIP_ENV = "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION"
 #: Prompt token ids of the unique parts are drawn below this (the shared prefix is 0, 1, 2, ...;
 #: output ids start at 1,000,000: kvdiag.refpool.types.output_ids).
 _VOCAB = 900_000
@@ -91,15 +93,17 @@ def reference_scheduler(spec: EngineSpec) -> Callable[[], EngineScheduler]:
     started (kvdiag/real/engines.py ``EngineSpec.argv``): vLLM ``--num-gpu-blocks-override``
     blocks (the null block among them), ``--max-num-seqs``, ``--max-num-batched-tokens``,
     ``--max-model-len``, prefix caching; SGLang ``--max-total-tokens`` at page size 1,
-    ``--max-running-requests``, ``--chunked-prefill-size``, ``--context-length``."""
+    ``--max-running-requests``, ``--chunked-prefill-size``, ``--context-length``, and
+    ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` where the spec's environment sets it."""
     if spec.engine == "vllm":
         return lambda: VLLMScheduler(
             num_gpu_blocks=spec.pool_tokens // spec.block_size, block_size=spec.block_size,
             max_num_batched_tokens=spec.max_batched_tokens, max_num_seqs=spec.max_running, max_model_len=spec.context_len,
         )  # fmt: skip
+    clip = int(dict(spec.env).get(CLIP_ENV, CLIP_MAX_NEW_TOKENS))
     return lambda: SGLangScheduler(
         max_total_num_tokens=spec.pool_tokens, page_size=1, max_running_requests=spec.max_running,
-        context_len=spec.context_len, chunked_prefill_size=spec.max_batched_tokens,
+        context_len=spec.context_len, chunked_prefill_size=spec.max_batched_tokens, clip_max_new_tokens=clip,
     )  # fmt: skip
 
 
@@ -171,9 +175,22 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
     return float(values[order][min(len(values) - 1, int(np.searchsorted(cum, q * cum[-1])))])
 
 
-def shape(steps: Steps, span: tuple[float, float]) -> Shape:
+def stalls(steps: Steps) -> np.ndarray:
+    """The reader's idle rows (``truth.steps_of``: a gap of more than ``MAX_STEP_S`` between two
+    steps) where requests waited before and after: an engine with a queue never idles, so the
+    gap is a stall (a step of a loaded machine's seconds), not an empty pool. Its gauges were
+    not read then; counted as idle, a real SGLang's 5 % of stalls read as usage 0."""
     c = steps.columns
-    m = (c["start"] >= span[0]) & (c["start"] < span[1])
+    idle = (c["running"] == 0) & (c["waiting"] == 0) & (c["evicted"] == 0) & (c["usage"] == 0) & ~c["blocked_on_kv"]
+    before = np.concatenate([[0], c["waiting"][:-1]]) if len(idle) else c["waiting"]
+    after = np.concatenate([c["waiting"][1:], [0]]) if len(idle) else c["waiting"]
+    return idle & (before > 0) & (after > 0)
+
+
+def shape(steps: Steps, span: tuple[float, float]) -> Shape:
+    """The figures of ``steps`` over ``span`` (stalls left out: ``stalls``)."""
+    c = steps.columns
+    m = (c["start"] >= span[0]) & (c["start"] < span[1]) & ~stalls(steps)
     dur = c["duration"][m]
     usage, waiting, running = c["usage"][m], c["waiting"][m].astype(float), c["running"][m].astype(float)
     evicted = c["evicted"][m]
@@ -213,21 +230,23 @@ class Tolerance:
         return abs(ref - real) <= max(self.absolute, self.relative * abs(real))
 
 
-#: Per figure. Real runs on a loaded 2-core machine differ run to run; these are the spread of
-#: the same story told twice by a real engine (docs/real-engine-shapes.md) with a margin, and
-#: far tighter than what a wrong reference gives (a pool of another size, preemption off).
+#: Per figure, about twice the largest difference between a real engine and the reference over the
+#: 14 runs of both engines' 7 stories measured on 2026-12-03 that matched (docs/real-engine-shapes.md:
+#: the real steps' own noise on a loaded machine, a block of 32 tokens = 0.016 of vLLM's usage),
+#: and far tighter than a wrong reference's (twice the pool: vLLM's first refusal 34 s late and
+#: 11 running against 5; SGLang 8 running against 4; a cap of 2: no preemption, usage 0.44).
 TOLERANCES: dict[str, Tolerance] = {
-    "preemptions_per_min": Tolerance(5.0, 0.5),
-    "dip_usage": Tolerance(0.1),
-    "dip_low": Tolerance(0.1),
-    "usage_p05": Tolerance(0.1),
-    "usage_median": Tolerance(0.05),
-    "usage_at_95": Tolerance(0.2),
-    "waiting_median": Tolerance(3.0, 0.35),
-    "waiting_p90": Tolerance(3.0, 0.35),
-    "running_median": Tolerance(1.0, 0.2),
-    "kv_refused": Tolerance(0.15),
-    "first_kv_refusal": Tolerance(10.0),
+    "preemptions_per_min": Tolerance(5.0, 0.25),  # at most 8 % apart
+    "dip_usage": Tolerance(0.05),  # 0.016
+    "dip_low": Tolerance(0.05),  # 0.016
+    "usage_p05": Tolerance(0.15),  # 0.095: the rare low usage is the noisiest figure
+    "usage_median": Tolerance(0.04),  # 0.016
+    "usage_at_95": Tolerance(0.12),  # 0.052
+    "waiting_median": Tolerance(3.0, 0.35),  # 25 of 99 (a queue that fills and drains moves its median most)
+    "waiting_p90": Tolerance(3.0, 0.3),  # 28 of 200
+    "running_median": Tolerance(1.0),  # 1
+    "kv_refused": Tolerance(0.12),  # 0.074
+    "first_kv_refusal": Tolerance(5.0),  # 1 s
 }
 
 
