@@ -30,7 +30,7 @@ import numpy as np
 
 from kvdiag.real.catalogue import Story
 from kvdiag.real.engines import EngineSpec
-from kvdiag.real.load import ClosedLoop, Record, Requests
+from kvdiag.real.load import ClosedLoop, OpenLoop, Overload, Record, Requests
 from kvdiag.real.truth import Steps, steps_of
 from kvdiag.refpool import workload
 from kvdiag.refpool.roofline import StepLaw, work
@@ -74,7 +74,7 @@ class Replay:
         return self.make(rid, t, r)
 
 
-def requests_of(records: list[Record], shape: Requests, t0: float, load: object) -> Iterable[SimRequest]:
+def requests_of(records: list[Record], shape: Requests, t0: float, load: OpenLoop | ClosedLoop | Overload) -> Iterable[SimRequest]:
     """The real run's requests for the reference engine. An open loop's (an ``Overload``'s
     opening client is light and brief) at the second each was sent from ``t0``; a closed loop's
     as closed-loop clients as many as the real ones, each sending its next request when the
