@@ -246,7 +246,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "waiting_p90": Tolerance(3.0, 0.3),  # 28 of 200
     "running_median": Tolerance(1.0),  # 1
     "kv_refused": Tolerance(0.12),  # 0.074
-    "first_kv_refusal": Tolerance(5.0),  # 1 s
+    "first_kv_refusal": Tolerance(10.0),  # 1 s; 4.5 s in the CI test's live run (14:35 UTC)
 }
 
 
