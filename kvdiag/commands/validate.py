@@ -52,6 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--real", action="store_true",
                    help="the real stories on real vLLM / SGLang servers on this machine's CPU (docs/real-engines.md; "
                    "needs `bash scripts/real-env.sh ENGINE` first, several GB): scored against the engines' own decisions")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --real: also tell each real run's requests to the reference engine of its kind with the same "
+                   "pool and caps and print both engines' gauge shapes side by side (kvdiag.real.calibrate, "
+                   "docs/real-engine-shapes.md); a shape out of its tolerance makes the exit code 1")  # fmt: skip
     p.add_argument("--whatif", action=argparse.BooleanOptionalAction,
                    help="also run the what-if pairs (kvdiag.whatif.pairs) of the scenarios and engines selected; with "
                    "--real, instead: record a real incident, predict each remedy from it and re-run the real engine "
@@ -69,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in args.scenario or () if (n in REAL_STORIES) != bool(args.real)]
     if unknown:
         print(f"kvdiag validate: {', '.join(unknown)}: {'not a real story' if args.real else 'a real story (use --real)'}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.calibrate and (not args.real or args.whatif):
+        print("kvdiag validate: --calibrate compares real runs: it needs --real (and no --whatif)", file=sys.stderr)
         return EXIT_ERROR
     if args.real and args.whatif:
         from kvdiag.whatif.reality import validate_real_whatif

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from kvdiag.config import Config
 from kvdiag.real import envs
+from kvdiag.real.calibrate import calibrate
 from kvdiag.real.stories import StoryRun, run_catalogue, select
 from kvdiag.refpool.validate import Report
 from kvdiag.report.json import dumps
@@ -61,13 +62,16 @@ def validate_real(args: argparse.Namespace, config: Config, render: Callable[[Co
         print(f"validate --real: {line(run)}", file=sys.stderr, flush=True)
 
     report, runs = run_catalogue(stories, engines, config, progress=progress)
+    cals = [calibrate(run.story, run.engine, run.steps, run.records, run.seconds) for run in runs] if args.calibrate else []
     if args.json:
         out = report.as_json()
-        out["scenarios"] = [run.as_json() for run in runs]
+        out["scenarios"] = [run.as_json() | ({"calibration": cals[i].as_json()} if cals else {}) for i, run in enumerate(runs)]
         print(dumps(out, indent=2))
     else:
         console = Console(width=None if sys.stdout.isatty() else 200)
         render(console, report)
         for run in runs:
             console.print(line(run), highlight=False, soft_wrap=True)
-    return 0 if report.ok else 1
+        for cal in cals:
+            console.print(cal.table(), highlight=False, soft_wrap=True)
+    return 0 if report.ok and all(c.ok for c in cals) else 1

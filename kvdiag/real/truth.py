@@ -81,7 +81,7 @@ def read(path: Path, t0: float, t1: float) -> Steps:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         text = ""
-    return _steps(_parse(path, text.splitlines(), 0, last_may_be_partial=True), t0, t1)
+    return steps_of(_parse(path, text.splitlines(), 0, last_may_be_partial=True), t0, t1)
 
 
 Row = tuple[float, bool, str, int, int, int, float]  # one step, as the hook writes it
@@ -119,7 +119,7 @@ class Tail:
         self._offset += whole
         self._lineno += len(lines)
         self._rows = [r for r in self._rows if r[0] >= now - self.keep]
-        return _steps(self._rows, now - seconds, now)
+        return steps_of(self._rows, now - seconds, now)
 
     def limited(self, by: str, seconds: float) -> float:
         """The share of the last ``seconds`` of steps that admission was limited ``by`` ("kv" or a cap)."""
@@ -148,7 +148,7 @@ def _parse(path: Path, lines: list[str], lineno0: int, last_may_be_partial: bool
     return rows
 
 
-def _steps(rows: list[Row], t0: float, t1: float) -> Steps:
+def steps_of(rows: list[Row], t0: float, t1: float) -> Steps:
     """Columns of the rows in ``[t0, t1)``, and of the idle time between them: where the next
     step (or ``t1``) comes more than ``MAX_STEP_S`` after one began, the rest of the gap is an
     idle row (nothing running, waiting, refused or used; the hook writes no idle steps), so

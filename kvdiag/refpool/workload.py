@@ -382,6 +382,12 @@ class _Stream:
         return req
 
 
+class RequestSource(Protocol):
+    """What makes a closed-loop client's next request: its id and send time in, the request out."""
+
+    def request(self, rid: str, t: float) -> SimRequest: ...
+
+
 class ClosedStream:
     """The requests of ``ClosedLoop`` clients in send order: each client's next request exists
     once its last one returned (``returned``). ``next()`` raises StopIteration while every
@@ -390,8 +396,11 @@ class ClosedStream:
     the open-loop stream draws them, in send order; a request the loop took but has not yet
     handed to the engine can be given back (``give_back``) when an earlier one appears."""
 
-    def __init__(self, w: Workload, loop: ClosedLoop) -> None:
+    def __init__(self, w: Workload, loop: ClosedLoop, source: RequestSource | None = None) -> None:
+        """``source`` makes each client's next request in place of ``w``'s lengths and prefixes
+        (a real run's requests told again: kvdiag/real/calibrate.py); ``w`` still seeds the sends."""
         self.stream = _Stream(w)
+        self.source: RequestSource = self.stream if source is None else source
         self.think_s = loop.think_s
         self.client: dict[SimRequest, int] = {}
         self.sent = itertools.count()
@@ -406,7 +415,7 @@ class ClosedStream:
             raise StopIteration
         t, _, k, req = heapq.heappop(self.pending)
         if req is None:
-            req = self.stream.request(f"c{k}.{len(self.client)}", t)
+            req = self.source.request(f"c{k}.{len(self.client)}", t)
             self.client[req] = k
         return req
 

@@ -53,6 +53,7 @@ from sglang.srt.managers.scheduler_components.batch_result_processor import Sche
 from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor  # noqa: E402
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+from sglang.srt.managers import schedule_policy  # noqa: E402
 from sglang.srt.managers.schedule_policy import SchedulePolicy  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
@@ -266,6 +267,8 @@ def hicache_state(s: OracleScheduler) -> dict[str, int]:
 
 def run_story(story: dict[str, Any]) -> None:
     cfg = story["config"]
+    # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: schedule_policy reads it once, at import, into this global
+    schedule_policy.CLIP_MAX_NEW_TOKENS = cfg.get("clip_max_new_tokens", 4096)
     s = build(cfg)
     HostTransfers.backup_tokens = HostTransfers.load_back_tokens = 0
     arrivals: dict[int, list[dict[str, Any]]] = {}

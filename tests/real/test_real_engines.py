@@ -31,6 +31,7 @@ from typing import Iterator
 import pytest
 
 from kvdiag.real import envs
+from kvdiag.real.calibrate import Calibration, calibrate, reference_scheduler
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.engines import Engine
 from kvdiag.real.load import Driver, Overload
@@ -144,6 +145,25 @@ def _named_within_30s(told: Told) -> None:
     assert delay is not None and delay <= 30, (r.truth.onset, r.detected)
 
 
+def _calibrated(told: Told) -> Calibration:
+    """Issue 28's calibration: the same requests, pool and caps through the reference engine of
+    the same kind (kvdiag/real/calibrate.py), its shapes within ``calibrate.TOLERANCES`` of the
+    real engine's (seconds of simulation, no second server). The same comparison with a reference
+    of twice the pool must fail on this very run: the tolerances can fail."""
+    run = told.run
+    cal = calibrate(run.story, run.engine, run.steps, run.records, run.seconds)
+    print(cal.table())  # the side-by-side table, in CI's log
+    wrong = replace(run.story.spec(run.engine), pool_tokens=2 * run.story.pool_tokens)
+    assert not calibrate(run.story, run.engine, run.steps, run.records, run.seconds, make=reference_scheduler(wrong)).ok
+    return cal
+
+
+def test_vllm_reference_engine_calibrated_on_the_real_story(vllm_saturation: Told) -> None:
+    cal = _calibrated(vllm_saturation)
+    assert cal.real.preemptions_per_min > 0, "the real vLLM's saw-tooth (preemptions) is what the reference must match"
+    assert cal.ok, cal.table()
+
+
 def test_vllm_saturation_right_at_every_instant(vllm_saturation: Told) -> None:
     _right_at_every_instant(vllm_saturation)
 
@@ -225,3 +245,9 @@ def test_sglang_saturation_right_at_every_instant(sglang_saturation: Told) -> No
 
 def test_sglang_saturation_named_within_30s(sglang_saturation: Told) -> None:
     _named_within_30s(sglang_saturation)
+
+
+def test_sglang_reference_engine_calibrated_on_the_real_story(sglang_saturation: Told) -> None:
+    cal = _calibrated(sglang_saturation)
+    assert cal.real.kv_refused > 0.5, "the real SGLang's reserve refuses admission for KV through the overload"
+    assert cal.ok, cal.table()

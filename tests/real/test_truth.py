@@ -107,6 +107,8 @@ def test_validate_keeps_real_and_simulated_stories_apart(capsys: pytest.CaptureF
     assert "not a real story" in capsys.readouterr().err
     assert main(["validate", "--scenario", CI_STORY]) == 3
     assert "a real story (use --real)" in capsys.readouterr().err
+    assert main(["validate", "--calibrate", "--scenario", "closed-loop"]) == 3  # a calibration compares real runs
+    assert "needs --real" in capsys.readouterr().err
 
 
 def test_the_engine_side_import_hook_runs_after_its_module_and_leaves_others_alone() -> None:

@@ -157,7 +157,7 @@ def vllm_reference(story: Story) -> Iterator[dict[str, Any]]:
 def sglang_config(**kw: Any) -> dict[str, Any]:
     cfg = {"max_total_num_tokens": 1200, "page_size": 1, "max_running_requests": 64, "context_len": 4096,
            "chunked_prefill_size": 256, "max_prefill_tokens": 16384, "schedule_conservativeness": 1.0,
-           "ignore_eos": False}  # fmt: skip
+           "ignore_eos": False, "clip_max_new_tokens": 4096}  # fmt: skip
     cfg.update(kw)
     return cfg
 
@@ -174,6 +174,9 @@ SGLANG_STORIES = [
     Story("conservativeness", sglang_config(schedule_conservativeness=0.3), make_requests(18, 40, 2, (30, 120), (20, 90))),
     Story("retractions", sglang_config(schedule_conservativeness=0.1), make_requests(21, 24, 1, (20, 60), (150, 300))),
     Story("ignore_eos", sglang_config(ignore_eos=True), make_requests(19, 30, 2, (30, 120), (20, 90))),
+    # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=64: admission charges at most 64 output tokens a
+    # request, over-commits long outputs and retracts (the real sglang-overcommit story)
+    Story("clip_max_new_tokens", sglang_config(clip_max_new_tokens=64), make_requests(26, 24, 1, (20, 60), (150, 300))),
     # Bursts with idle spells between them: the step that finishes a burst's last request still
     # holds the decayed new_token_ratio, the next idle iteration resets it (on_idle).
     Story("idle_spells", sglang_config(), [
@@ -199,6 +202,7 @@ def sglang_reference(story: Story) -> Iterator[dict[str, Any]]:
         c["chunked_prefill_size"], c["max_prefill_tokens"], c["schedule_conservativeness"],
         enable_hierarchical_cache=bool(c.get("hicache_write_policy")), hicache_ratio=c.get("hicache_ratio", 2.0),
         hicache_write_policy=c.get("hicache_write_policy", "write_through"), debug=True,
+        clip_max_new_tokens=c["clip_max_new_tokens"],
     )  # fmt: skip
 
     def before(plan: StepPlan) -> dict[str, Any]:

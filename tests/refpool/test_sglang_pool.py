@@ -541,6 +541,20 @@ def test_running_requests_reserve_ratio_of_remaining_output() -> None:
     assert PrefillAdder(tree, [big], 0.5, 16384, None).memory_budget.total_offset == 4096 * 0.5  # clipped
 
 
+def test_the_clip_setting_bounds_every_output_admission_charges() -> None:
+    """SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION (``clip_max_new_tokens``): the running requests'
+    reserve and the next request's output are charged at most the clip; at 64 a request asking
+    500 tokens is admitted where the default charges all 500 and refuses it."""
+    tree = RadixCache(TokenToKVPoolAllocator(1000))
+    running = [make_req((1,), 500, output=range(10), ignore_eos=True)]
+    assert PrefillAdder(tree, running, 0.5, 16384, None, clip_max_new_tokens=64).memory_budget.total_offset == 64
+    for clip, expected in ((64, AddReqResult.CONTINUE), (4096, AddReqResult.NO_TOKEN)):
+        req = make_req(seq(100, 300), 500)
+        req.init_next_round_input(tree)
+        adder = PrefillAdder(tree, running, 0.5, 16384, None, clip_max_new_tokens=clip)
+        assert adder.add_one_req(req) is expected  # 300 + min(500, clip) + 1 against 1000 - min(490, clip)
+
+
 def test_max_prefill_tokens_cap_lets_the_first_request_through() -> None:
     tree = RadixCache(TokenToKVPoolAllocator(1000))
     adder = adder_for(tree, rem_input=100)

@@ -66,16 +66,19 @@ class NewTokenRatioTracker:
         self.current = self.init
 
 
-def running_output_offset(remaining: Sequence[int] | np.ndarray, in_full: Sequence[bool] | np.ndarray, ratio: float) -> float:
+def running_output_offset(
+    remaining: Sequence[int] | np.ndarray, in_full: Sequence[bool] | np.ndarray, ratio: float, clip: int = CLIP_MAX_NEW_TOKENS
+) -> float:
     """``sum(_get_running_request_total_token_offset(r) for r in running)``: each running
-    request's remaining output clipped at 4096, times the ratio (in full with ignore_eos).
+    request's remaining output clipped at ``clip`` (4096 unless SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+    says), times the ratio (in full with ignore_eos).
 
     It runs over the whole running batch on every prefill attempt, so the terms are computed
     at once (numpy's float64 products are Python's) and still added by ``sum()`` one by one in
     batch order, so the float is SGLang's on every Python (3.12's ``sum()`` compensates
     rounding, numpy's pairwise sum would not).
     """
-    clipped = np.minimum(np.asarray(remaining, dtype=np.int64), CLIP_MAX_NEW_TOKENS)
+    clipped = np.minimum(np.asarray(remaining, dtype=np.int64), clip)
     return sum((clipped * np.where(np.asarray(in_full, dtype=bool), 1.0, ratio)).tolist())
 
 
@@ -125,10 +128,13 @@ class PrefillAdder:
         rem_input_tokens: int,
         rem_chunk_tokens: int | None,
         running_offset: float | None = None,
+        clip_max_new_tokens: int = CLIP_MAX_NEW_TOKENS,
     ) -> None:
         """``running_offset``: the running requests' reservation (``running_output_offset``),
         where the caller knows it better than their outputs do (batch-level decode appends
-        them late)."""
+        them late). ``clip_max_new_tokens``: the most output any request is charged
+        (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, read once by SGLang's schedule_policy)."""
+        self.clip = clip_max_new_tokens
         self.tree_cache = tree_cache
         self.page_size = tree_cache.page_size
         self.rem_input_tokens = rem_input_tokens
@@ -136,7 +142,7 @@ class PrefillAdder:
         self.memory_budget = PrefillBudget(tree_cache)
         if running_offset is None:
             remaining = [r.max_new_tokens - len(r.sim.output) for r in running_reqs]
-            running_offset = running_output_offset(remaining, [r.sim.ignore_eos for r in running_reqs], new_token_ratio)
+            running_offset = running_output_offset(remaining, [r.sim.ignore_eos for r in running_reqs], new_token_ratio, self.clip)
         self.memory_budget.total_offset += running_offset
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
@@ -192,7 +198,7 @@ class PrefillAdder:
         truncated = cand > rem_tokens
         req.extend_input_len = min(cand, rem_tokens)
         self.can_run_list.append(req)
-        max_new = 0 if truncated else min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        max_new = 0 if truncated else min(req.max_new_tokens, self.clip)
         self._update_prefill_budget(req, 0, req.extend_input_len, max_new)
         return req if truncated else None
 
@@ -207,7 +213,7 @@ class PrefillAdder:
 
     def add_one_req(self, req: Req) -> AddReqResult:
         """Try to admit ``req`` (already matched by ``init_next_round_input``)."""
-        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), self.clip)
         # Host-hit tokens are not subtracted: a load back needs device slots too.
         total_tokens = req.extend_input_len + max_new + self.page_size
         assert req.last_node is not None
@@ -228,9 +234,9 @@ class PrefillAdder:
                 # Without chunking the first request may exceed max_prefill_tokens.
                 if self.can_run_list and input_tokens >= self.rem_input_tokens:
                     return AddReqResult.OTHER
-                max_new_reserved = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+                max_new_reserved = min(req.max_new_tokens, self.clip)
             elif input_tokens <= self.rem_chunk_tokens:
-                max_new_reserved = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+                max_new_reserved = min(req.max_new_tokens, self.clip)
             else:
                 trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
                 end = (prefix_len + trunc_len) // self.page_size * self.page_size

@@ -76,8 +76,10 @@ class SGLangScheduler:
         decode_log_interval: int = 40,
         store: KVStore | None = None,
         debug: bool = False,
+        clip_max_new_tokens: int = CLIP_MAX_NEW_TOKENS,
     ) -> None:
         self.max_total_num_tokens = max_total_num_tokens
+        self.clip_max_new_tokens = clip_max_new_tokens  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
         self.page_size = page_size
         self.store: KVStore = store if store is not None else NullStore()
         self.moves_bytes = not isinstance(self.store, NullStore)  # accounting-only: no keys, no writes
@@ -139,7 +141,7 @@ class SGLangScheduler:
         """
         r = Req(req, max_new_tokens=min(req.max_new_tokens, self.max_req_len - len(req.prompt) - 1))
         self.reqs[req] = r
-        never_fits = len(req.prompt) + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS) + self.page_size
+        never_fits = len(req.prompt) + min(r.max_new_tokens, self.clip_max_new_tokens) + self.page_size
         if len(req.prompt) > self.max_req_input_len or r.max_new_tokens < 1 or never_fits >= self.max_total_num_tokens:
             r.aborted = r.finished = True
             self._aborted.append(r)
@@ -279,7 +281,7 @@ class SGLangScheduler:
         self._touch_waiting_prefixes()
         adder = PrefillAdder(
             self.tree_cache, self.running_batch, self.ratio.current, self.max_prefill_tokens, self.chunked_prefill_size,
-            self._running_output_offset() if self.batch_decode else None,
+            self._running_output_offset() if self.batch_decode else None, self.clip_max_new_tokens,
         )  # fmt: skip
         continuing = self.chunked_req is not None  # its chunk heads can_run_list; it is not queued
         if self.chunked_req is not None:
@@ -624,7 +626,7 @@ class SGLangScheduler:
         assert len(self._reserve) == len(batch), "the reserve array follows the running batch"
         remaining = self._reserve - self.forward_ct_decode
         in_full = [r.sim.ignore_eos for r in batch] if self._in_full else np.zeros(len(batch), dtype=bool)
-        return running_output_offset(remaining, in_full, self.ratio.current)
+        return running_output_offset(remaining, in_full, self.ratio.current, self.clip_max_new_tokens)
 
     def _track_batch(self) -> None:
         """After a retraction (which reorders the batch): every running request anew."""
