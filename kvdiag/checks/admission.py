@@ -89,7 +89,6 @@ def admission_usage(window: Window, config: Config) -> AdmissionUsage:
     """Admission usage at the window's newest sample (see the module docstring)."""
     w = recent(window, config)
     ts, usage = w.points("usage_ratio")
-    t = w.end
     prompt = _per_request(w, config, "prompt_tokens_total")
     output = _per_request(w, config, "generation_tokens_total")
     counters = w.has("prefix_hit_tokens_total") and w.has("prefix_query_tokens_total")

@@ -13,7 +13,7 @@ from kvdiag import engines
 from kvdiag.checks import stats
 from kvdiag.config import Config
 from kvdiag.model import CheckResult, Evidence
-from kvdiag.window import Window, counter_increase
+from kvdiag.window import Window
 
 Values = dict[str, float | int | str | bool | None]
 

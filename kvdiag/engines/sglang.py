@@ -182,7 +182,7 @@ def _sample(expo: Exposition, inst: Instance, ts: float) -> PoolSample:
     usage = put(ps, "usage_ratio", *fam("token_usage"), split, note="rounded to 2 decimals by the engine")
     if usage is not None:
         ps.usage_granularity = "token"
-    capacity = put(ps, "capacity_tokens", *fam("max_total_num_tokens"), split)
+    put(ps, "capacity_tokens", *fam("max_total_num_tokens"), split)
     _pools(expo, ps, split)
     binding = ps.binding_pool
     state = "kv" if binding is None or binding.kind == "full" else binding.kind

@@ -16,7 +16,7 @@ change is modelled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from kvdiag import engines
