@@ -48,7 +48,11 @@ def _free_port() -> int:
 
 def test_serves_metrics_on_loopback_while_time_advances() -> None:
     port = _free_port()
-    args = ["simulate", "--engine", "vllm", "--scenario", "l1-saturation", "--port", str(port), "--speed", "20", "--duration", "120"]  # 6 wall s; a busy machine runs it behind, not shorter
+    # The server lives 20 wall seconds (120 simulated at 6x), whatever the machine: a loaded one
+    # (load average 50 beside this suite) scraped it once in the 6 s it lived at 20x and lost the
+    # race. Two scrapes fit in 20 s on a machine ten times slower than that; each scrape's timeout
+    # is a hang guard, so a slow answer is waited for rather than counted as none.
+    args = ["simulate", "--engine", "vllm", "--scenario", "l1-saturation", "--port", str(port), "--speed", "6", "--duration", "120"]
     worker = threading.Thread(target=main, args=(args,), daemon=True)
     worker.start()
     url = f"http://127.0.0.1:{port}/metrics"
@@ -56,7 +60,7 @@ def test_serves_metrics_on_loopback_while_time_advances() -> None:
     deadline = time.monotonic() + hang_guard(2)
     while len(seen) < 2 and time.monotonic() < deadline:
         try:
-            (sample,) = normalize_scrape(scrape(url, timeout=2))
+            (sample,) = normalize_scrape(scrape(url, timeout=hang_guard(2)))
             if not seen or sample.requests_total != seen[-1].requests_total:
                 seen.append(sample)
         except ScrapeError:
