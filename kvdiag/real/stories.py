@@ -27,7 +27,7 @@ from kvdiag.real.load import Driver, Record
 from kvdiag.refpool.sim import EPOCH
 from kvdiag.refpool.validate import Report, Result, TruthReader, judge, read_truth, slo_breach, verdicts_over_time
 from kvdiag.sources.recording import RecordingWriter
-from kvdiag.sources.scrape import ScrapeError, scrape
+from kvdiag.sources.scrape import ScrapeError, next_due, scrape
 
 INTERVAL_S = 5.0
 IDLE_TIMEOUT_S = 300.0  # a hang guard for the engine to drain between stories
@@ -69,7 +69,8 @@ class StoryRun:
 
 
 class Scraper:
-    """Scrapes ``url``/metrics every ``interval`` seconds from its start until stopped."""
+    """Scrapes ``url``/metrics every ``interval`` seconds from its start until stopped, skipping
+    the slots a slow scrape or a starved process missed (``next_due``), as the exporter does."""
 
     def __init__(self, url: str, interval: float = INTERVAL_S, writer: RecordingWriter | None = None) -> None:
         self.url = url.rstrip("/") + "/metrics"
@@ -85,8 +86,7 @@ class Scraper:
         return self
 
     def _loop(self) -> None:
-        start = time.monotonic()
-        k = 0
+        due = time.monotonic()
         while not self._stop.is_set():
             try:
                 s = scrape(self.url, timeout=self.interval)
@@ -95,8 +95,8 @@ class Scraper:
                     self.writer.write(s)
             except ScrapeError as exc:
                 self.failures.append(str(exc))
-            k += 1
-            if self._stop.wait(max(0.0, start + k * self.interval - time.monotonic())):
+            due = next_due(due, time.monotonic(), self.interval)
+            if self._stop.wait(max(0.0, due - time.monotonic())):
                 return
 
     def stop(self) -> list[Scrape]:

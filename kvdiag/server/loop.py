@@ -34,6 +34,7 @@ from kvdiag import checks
 from kvdiag.server.settings import Settings
 from kvdiag.server.state import Diagnose, InstanceState, ScrapeOptions, TargetState, Undiagnosable, scrape_into
 from kvdiag.server.targets import FileSD, Target, combine
+from kvdiag.sources.scrape import next_due
 
 log = logging.getLogger("kvdiag.serve")
 
@@ -202,8 +203,7 @@ class ScrapeLoop:
                     if not state.busy:
                         state.busy = True
                         self._pool.submit(self._job, state)
-                    missed = max(0, math.floor((now - due) / interval))  # fell behind: skip, keep the phase
-                    heapq.heappush(self._heap, (due + (missed + 1) * interval, next(self._seq), state))
+                    heapq.heappush(self._heap, (next_due(due, now, interval), next(self._seq), state))
                 wait = (self._heap[0][0] - now) if self._heap else FILE_SD_REFRESH_S
             if self.file_sd:
                 wait = min(wait, self._next_sd - now)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import http.client
 import io
+import math
 import socket
 import ssl
 import time
@@ -56,6 +57,15 @@ Vet = Callable[[str], Sequence[str]]
 class ScrapeError(RuntimeError):
     """A target that could not be scraped, with the reason."""
 
+
+
+def next_due(due: float, now: float, interval: float) -> float:
+    """When a scrape cadence's next scrape is due, after the one due at ``due`` ended at ``now``.
+    Slots missed meanwhile (a stalled target, a process starved on a busy machine) are skipped
+    and the phase kept, as Prometheus schedules: caught up instead, they would come as a burst of
+    scrapes milliseconds apart, which read as an engine that made no progress between them."""
+    missed = max(0, math.floor((now - due) / interval))
+    return due + (missed + 1) * interval
 
 @dataclass(frozen=True)
 class Auth:

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kvdiag.sources.scrape import Auth, ScrapeError, redact, scrape, split_userinfo
+from kvdiag.sources.scrape import Auth, ScrapeError, next_due, redact, scrape, split_userinfo
 from tests.server.conftest import Handle, reply
 
 BODY = b"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 3\n"
@@ -187,3 +187,14 @@ def test_a_tls_handshake_that_never_comes_is_bounded_too(stop: threading.Event) 
         url = f"https://127.0.0.1:{listener.getsockname()[1]}"
         with pytest.raises(ScrapeError, match=r"timed out after 0\.3s in all \(during the TLS handshake\)"):
             scrape(url, timeout=0.3)
+
+
+def test_a_cadence_skips_the_slots_a_slow_scrape_missed() -> None:
+    """A scrape due at 0 that ended at 32 s (a stalled target, a starved process) is followed by
+    the next slot of the same phase, 35 s: not by the six it missed, one after another. The real
+    harness caught those up on a loaded machine, six scrapes 20 ms apart, and the engine read as
+    idle between them."""
+    assert next_due(0.0, 32.4, 5.0) == 35.0
+    assert next_due(10.0, 10.3, 5.0) == 15.0  # on time: the next slot
+    assert next_due(10.0, 15.0, 5.0) == 20.0  # ended on a slot: that one is missed too, not doubled
+    assert next_due(10.0, 9.0, 5.0) == 15.0  # a clock read before the due time never goes back
