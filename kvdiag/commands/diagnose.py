@@ -30,7 +30,7 @@ from kvdiag.sources.inputs import is_url
 from kvdiag.sources.logs import LogStream, add_log_arguments, open_logs
 from kvdiag.sources.prometheus import PrometheusError, read_window
 from kvdiag.sources.recording import RecordingError, read_recording
-from kvdiag.sources.scrape import ScrapeError, next_due, redact, scrape
+from kvdiag.sources.scrape import ScrapeError, redact, scrape
 from kvdiag.sources.series import read_files
 from kvdiag.window import windows
 
@@ -209,8 +209,7 @@ def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> No
     label = f"sampling {len(urls)} engine(s) every {interval:g}s"
     with Progress(disable=args.no_progress or args.json, transient=True) as progress:
         task = progress.add_task(label, total=rounds)
-        slot = 0
-        while slot < rounds:
+        for i in range(rounds):
             for url in list(active):
                 target = redact(url)  # what the scrape names it by: never its credentials
                 try:
@@ -223,13 +222,11 @@ def sample_urls(urls: list[str], args: argparse.Namespace, out: Collected) -> No
                     active.remove(url)
                     print(f"kvdiag diagnose: giving up on {target} after {failures[target]} failed scrapes: {out.problems[target]}", file=sys.stderr)
             failed = sum(failures.values())
-            progress.update(task, completed=slot + 1, description=label + (f" · {failed} failed scrape(s)" if failed else ""))
+            progress.update(task, advance=1, description=label + (f" · {failed} failed scrape(s)" if failed else ""))
             if not active:
                 break
-            due = next_due(start + slot * interval, time.monotonic(), interval)  # slots a slow round missed are skipped
-            slot = round((due - start) / interval)
-            if slot < rounds:
-                time.sleep(max(0.0, due - time.monotonic()))
+            if i + 1 < rounds:
+                time.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
 
 
 def thresholds(args: argparse.Namespace) -> cfg.Config:
