@@ -30,7 +30,13 @@ SCHEDULER_GAUGES = ("usage_ratio", "used_tokens", "evictable_tokens", "available
                     "waiting_capacity", "waiting_deferred", "transfers_in_flight")  # fmt: skip
 
 
-def empty_readings(running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, finished: np.ndarray,
+#: An engine is believed empty only where it generated nothing for at least this long: two
+#: scrapes milliseconds apart (a late scrape and the next, a sampler catching up) see no tokens
+#: between them from an engine that is generating hundreds a second.
+QUIET_S = 1.0
+
+
+def empty_readings(ts: np.ndarray, running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, finished: np.ndarray,
                    generated: np.ndarray) -> np.ndarray:  # fmt: skip
     """Scrapes whose scheduler gauges read an empty engine (nothing running or waiting, the
     pool's usage 0 or absent) although the engine generated tokens since the scrape before and
@@ -39,17 +45,22 @@ def empty_readings(running: np.ndarray, waiting: np.ndarray, usage: np.ndarray, 
     Requests leave an engine only by finishing, so such a reading is impossible. Seen on real
     vLLM 0.32 under a saturating closed loop scraped by Prometheus, an exporter and ``diagnose``
     at once: running, waiting and KV usage all 0 in 7 of 24 scrapes while its counters kept
-    rising, which otherwise reads a pinned pool as idle. An engine that generates nothing is
+    rising, which otherwise reads a pinned pool as idle. An engine that generated nothing since
+    the latest scrape at least ``QUIET_S`` before (the one before, where none is that old) is
     believed empty (clients that all went away, where an engine does not count aborts)."""
     out = np.zeros(len(running), dtype=bool)
     if not ((running == 0) & (waiting == 0)).any():
         return out  # the common case, and the window is re-read at every evaluation: no loop
     held: float | None = None  # requests in the engine at the last believable scrape
     done_then = math.nan  # the finished counter then
-    made = math.nan  # the generated-token counter at the scrape before
+    made = pd.Series(generated).ffill().to_numpy()  # the generated-token counter as last read
+    before = -1  # the latest scrape at least QUIET_S before this one
     for i in range(len(running)):
         r, w, u, f, g = float(running[i]), float(waiting[i]), float(usage[i]), float(finished[i]), float(generated[i])
-        working, made = made < g, g if not math.isnan(g) else made
+        while before + 1 < i and ts[before + 1] <= ts[i] - QUIET_S:
+            before += 1
+        ref = before if before >= 0 else i - 1
+        working = ref >= 0 and made[ref] < g
         if math.isnan(r) or math.isnan(w):
             continue
         empty = r == 0 and w == 0 and (math.isnan(u) or u == 0)
@@ -401,7 +412,7 @@ class Window:
             if self._last.role in ("prefill", "decode"):
                 self._empty = np.zeros(len(self.column("ts")), dtype=bool)
             else:
-                self._empty = empty_readings(*(self._reported(n) for n in ("running", "waiting", "usage_ratio")),
+                self._empty = empty_readings(self.column("ts"), *(self._reported(n) for n in ("running", "waiting", "usage_ratio")),
                                              self.column("requests_total"), self.column("generation_tokens_total"))  # fmt: skip
         return self._empty
 

@@ -96,6 +96,17 @@ def test_an_empty_reading_of_a_busy_engine_is_absent() -> None:
     assert w.column("requests_total").tolist() == [100, 103, 105, 108]  # counters stay as read
 
 
+def test_an_empty_reading_milliseconds_after_another_is_absent() -> None:
+    """A sampler that caught up after a stall scraped a saturated vLLM six times 20 ms apart
+    (issue 31's loaded machine): no tokens came between those scrapes, yet the engine had
+    generated since the last scrape a second or more before them, so it is not believed empty."""
+    w = Window("i", [_busy(0, 100), _busy(5, 105, 0.0, 0.0, 0.0), _busy(5.02, 105, 0.0, 0.0, 0.0, generation_tokens_total=1500.0),
+                     _busy(5.04, 105, 0.0, 0.0, 0.0, generation_tokens_total=1500.0), _busy(10, 110)])  # fmt: skip
+    assert np.isnan(w.column("running")[1:4]).all()
+    idle = Window("i", [_busy(0, 100), _busy(5, 105, 0.0, 0.0, 0.0), _busy(6.5, 105, 0.0, 0.0, 0.0, generation_tokens_total=1500.0)])
+    assert np.isnan(idle.column("running")[1]) and idle.column("running")[2] == 0.0  # 1.5 s without a token: believed
+
+
 @pytest.mark.parametrize(
     "samples",
     [
