@@ -246,7 +246,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "waiting_p90": Tolerance(3.0, 0.3),  # 28 of 200
     "running_median": Tolerance(1.0),  # 1
     "kv_refused": Tolerance(0.12),  # 0.074
-    "first_kv_refusal": Tolerance(10.0),  # 1 s; 4.5 s in the CI test's live run (14:35 UTC)
+    "first_kv_refusal": Tolerance(15.0),  # 1 s; 4.5 s and 10.3 s in two live CI runs; twice the pool 25-34 s or never
 }
 
 

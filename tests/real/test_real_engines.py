@@ -182,6 +182,31 @@ def _overload(engine: Engine) -> Driver:
     return driver
 
 
+#: Live diagnoses the stack test may take: one that ends on a lull of the load is taken again.
+LIVE_TRIES = 3
+
+
+def _live_diagnosis(engine: Engine) -> dict:
+    """``kvdiag diagnose URL --json`` for 75 s (the queue's checks need a minute of samples),
+    judged against the engine's own truth at its end. The overload's open loop comes to the
+    engine in clumps: on an idle CI machine its queue went 168 -> 0 inside one diagnosis, which
+    then ended on an engine running one request and read ``healthy``. Where the engine's
+    scheduler was not refusing for KV over the last 30 s, that is not the pool limiting, and
+    the diagnosis is taken again; where it was, the verdict must name the pool or its queue."""
+    tail = Tail(engine.truth_path)
+    for _ in range(LIVE_TRIES):
+        live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", engine.url, "--interval", "5s", "--duration", "75s",
+                               "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+        (inst,) = json.loads(live.stdout)["instances"]
+        assert inst["engine"] == "vllm" and inst["instance"] == f"{engine.url} engine=0"  # vLLM's engine label
+        if inst["verdict"] in L1_VERDICTS or inst["verdict"] == "queue_without_kv_pressure":
+            return inst
+        kv = tail.limited("kv", 30.0)
+        assert kv < 0.5, f"refused for KV in {kv:.0%} of the last 30 s: " + json.dumps(inst)[:4000]
+        print(f"the live diagnosis ended on a lull (refused for KV in {kv:.0%} of the last 30 s): {inst['verdict']}; taken again")
+    pytest.fail(f"{LIVE_TRIES} live diagnoses ended on lulls of the overload: " + json.dumps(inst)[:4000])
+
+
 def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
     """docker-compose.yml's stack (tests/deploy/stack.py) with the real vLLM in place of vllm-sim:
     Prometheus scrapes it and the exporter with rules/ loaded (every ``for:`` at 5 s), the L1
@@ -209,12 +234,7 @@ def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
             assert received["status"]["state"] == "active"
             l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict=~"l1_kv_bottleneck|l1_kv_pressure"} == 1'
             Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], hang_guard(60), "the exporter's L1 verdict for vLLM in Prometheus")
-            # the queue's checks need a minute of samples (queue_short_window)
-            live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", vllm.url, "--interval", "5s", "--duration", "75s",
-                                   "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
-            (inst,) = json.loads(live.stdout)["instances"]
-            assert inst["engine"] == "vllm" and inst["instance"] == f"{vllm.url} engine=0"  # vLLM's engine label
-            assert inst["verdict"] in L1_VERDICTS or inst["verdict"] == "queue_without_kv_pressure", json.dumps(inst)[:4000]
+            inst = _live_diagnosis(vllm)
             if CHROMIUM is not None:
                 dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
                                       "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
