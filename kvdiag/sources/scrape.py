@@ -58,7 +58,6 @@ class ScrapeError(RuntimeError):
     """A target that could not be scraped, with the reason."""
 
 
-
 def next_due(due: float, now: float, interval: float) -> float:
     """When a scrape cadence's next scrape is due, after the one due at ``due`` ended at ``now``.
     Slots missed meanwhile (a stalled target, a process starved on a busy machine) are skipped
@@ -66,6 +65,7 @@ def next_due(due: float, now: float, interval: float) -> float:
     scrapes milliseconds apart, which read as an engine that made no progress between them."""
     missed = max(0, math.floor((now - due) / interval))
     return due + (missed + 1) * interval
+
 
 @dataclass(frozen=True)
 class Auth:
