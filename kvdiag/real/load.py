@@ -74,7 +74,14 @@ class Overload:
     check that found admission limited (``longest`` at most, a bound for an engine that never
     is), then ``drain`` seconds pass without arrivals (fewer: the drain ends ``settle`` seconds
     after admission stopped being limited, so that a story does not end on minutes of an idle
-    engine). The engine is asked every ``check`` seconds about the last ``lookback``."""
+    engine). The engine is asked every ``check`` seconds about the last ``lookback``.
+
+Arrivals are shed while ``depth`` requests the clients sent have no first token yet (a
+gateway's queue limit): past that the queue only stands. An open loop at twice the service
+rate for two minutes queued 600 requests on a real vLLM on 2 cores; its API server, parsing
+and holding them all, then answered ``/metrics`` 30-80 s late, served gauges that lagged its
+scheduler, and the drain outlasted the story. ``depth`` keeps the backlog far above what the
+checks and the truth need (``QUEUE_FLOOR``, 5) and the server able to answer its scrapes."""
 
     opening: ClosedLoop
     rate: float
@@ -89,6 +96,7 @@ class Overload:
     longest: float = 300.0
     check: float = 5.0
     lookback: float = 10.0
+    depth: int = 48
 
     @property
     def seconds(self) -> float:
@@ -133,9 +141,13 @@ class Record:
 
 def _abort(r: requests.Response) -> None:
     """Close a stream another thread is blocked reading: shut its socket down first (a plain
-    close leaves the reader's recv waiting for the server's next chunk)."""
-    conn = getattr(r.raw, "_connection", None)
-    sock = getattr(conn, "sock", None)
+    close leaves the reader's recv waiting for the server's next chunk, and waits for it). A
+    response that closes its connection at its end (no length, not chunked) holds the socket
+    only in its file: the connection gave it up when the response began."""
+    sock = getattr(getattr(r.raw, "_connection", None), "sock", None)
+    if sock is None:
+        fp = getattr(getattr(r.raw, "_fp", None), "fp", None)
+        sock = getattr(getattr(fp, "raw", None), "_sock", None)
     if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RDWR)
@@ -169,6 +181,8 @@ class Driver:
         self.rates: list[tuple[float, float]] = []
         #: seconds from the load's start to the first check that found admission limited
         self.limited_at: float | None = None
+        #: arrivals not sent: the clients' queue stood at an ``Overload``'s ``depth``
+        self.shed = 0
 
     # ------------------------------------------------------------------ one request
     def _prompt(self, rng: random.Random) -> tuple[str, int, int]:
@@ -236,9 +250,10 @@ class Driver:
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 return
 
-    def _arrivals(self, t: float, rate: float, end: float) -> float:
-        """Poisson arrivals at ``rate`` from monotonic time ``t`` until ``end``; returns ``end``
-        (or where ``stop`` cut them short)."""
+    def _arrivals(self, t: float, rate: float, end: float, depth: int | None = None) -> float:
+        """Poisson arrivals at ``rate`` from monotonic time ``t`` until ``end``, each shed
+        while ``depth`` sent requests have no first token; returns ``end`` (or where ``stop``
+        cut them short)."""
         if not self.rates or self.rates[-1][1] != rate:
             self.rates.append((t - self._began, rate))
         while rate > 0:
@@ -247,8 +262,17 @@ class Driver:
                 break
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 return t
-            self._spawn(self.rng.getrandbits(32))
+            seed = self.rng.getrandbits(32)
+            if depth is not None and self.unanswered() >= depth:
+                self.shed += 1
+                continue
+            self._spawn(seed)
         return end
+
+    def unanswered(self) -> int:
+        """Requests sent and not yet answered a first token (nor ended): the clients' queue."""
+        with self._lock:
+            return sum(r.first_token is None and r.finished is None and not r.error for r in self.records)
 
     def overload(self, load: Overload, limited: Limited) -> float:
         """``load`` (class docstring); blocks until its end and returns its length in seconds.
@@ -259,7 +283,7 @@ class Driver:
         rate, raised, raises = load.rate, t, 0
         over, ceiling = t + load.longest, float("inf")
         while t < over and not self._stop.is_set():
-            t = self._arrivals(t, rate, min(t + load.check, over))
+            t = self._arrivals(t, rate, min(t + load.check, over), load.depth)
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 break
             if limited(load.by, load.lookback) >= 0.5:

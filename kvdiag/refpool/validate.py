@@ -181,6 +181,20 @@ class Result:
     def since_onset(self, t: float | None) -> float | None:
         return None if t is None or self.truth.onset is None else round(t - self.truth.onset, 1)
 
+    @property
+    def l1_from(self) -> float | None:
+        """The first instant from which the truth names L1 at no fewer than half of the
+        instants (the onset's rule, read off the instants' labels rather than KV refusals
+        alone). A real engine at the edge of its capacity refuses a waiting request for KV now
+        and then with one or two waiting: the truth there is ``near_kv_capacity``, and a verdict
+        that does not name L1 is right; the pool limits from where a backlog or a recompute
+        joins the refusals."""
+        flags = [i.pool_limits for i in self.instants]
+        for k, flag in enumerate(flags):
+            if flag and 2 * sum(flags[k:]) >= len(flags) - k:
+                return self.instants[k].t
+        return None
+
     def as_json(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -191,6 +205,7 @@ class Result:
             "detection_delay_s": self.since_onset(self.detected),
             "slo_breach_s": self.since_onset(self.truth.slo_breach),
             "onset_s": self.truth.onset,
+            "truth_l1_from_s": self.l1_from,
             "first_l1_s": self.detected,
             "slo_breach_at_s": self.truth.slo_breach,
             "named_before_breach": self.named_before_breach,

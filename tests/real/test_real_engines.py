@@ -6,7 +6,7 @@ Each test leaves its server idle for the next (``stories.wait_idle``).
 
 What is asserted about verdicts on a saturated open loop: the engine's own scheduler refuses
 waiting requests for KV (the truth hook saw it), the truth over the overload names L1, kvdiag
-names L1 within 30 s of the truth's onset, and every scored instant is right (no misleading
+names L1 within 30 s of the truth naming it, and every scored instant is right (no misleading
 instant, no false alarm). The story's overload follows the engine (kvdiag/real/load.py
 ``Overload``: raised until the engine's scheduler refuses for KV, held from there), so this holds
 on an idle machine as on a loaded one. The per-instant scores each story measured are printed
@@ -139,10 +139,15 @@ def _right_at_every_instant(told: Told) -> None:
 
 
 def _named_within_30s(told: Told) -> None:
-    """L1 named within 30 s of the engine's first sustained KV refusal (the truth's onset)."""
+    """L1 named within 30 s of the truth naming it (``Result.l1_from``: KV refusals with a
+    backlog or a recompute, sustained). Not from the first sustained refusal alone (the truth's
+    ``onset``): the load is raised step by step and reaches the engine's capacity at one of
+    them, where the engine refuses for KV with a request or two waiting for as long as the
+    step lasts, and the truth there is ``near_kv_capacity`` (CI, SGLang: refusals from 45 s,
+    the queue growing only after the next raise, L1 named at 80 s)."""
     r = told.run.result
-    delay = r.since_onset(r.detected)
-    assert delay is not None and delay <= 30, (r.truth.onset, r.detected)
+    assert r.l1_from is not None and r.detected is not None, (r.l1_from, r.detected)
+    assert r.detected - r.l1_from <= 30, (r.truth.onset, r.l1_from, r.detected)
 
 
 def _calibrated(told: Told) -> Calibration:

@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -188,6 +190,41 @@ def test_an_overload_that_never_limits_the_engine_ends_at_its_bound() -> None:
     driver = Driver("http://127.0.0.1:9", Requests())
     assert driver.run(load, lambda by, s: 0.0) == pytest.approx(7 * check)
     assert driver.limited_at is None and [r for _, r in driver.rates] == pytest.approx([1e-9, 1.5e-9, 0.0], abs=1e-15)
+
+
+class _Silent(BaseHTTPRequestHandler):
+    """A server that takes each request and never sends its first token (an engine whose queue
+    does not move), until the client closes the stream."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.flush()
+        self.rfile.read(1)  # returns when the client shuts the connection down
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_overload_sheds_arrivals_while_its_clients_queue_stands_at_depth() -> None:
+    """Past ``depth`` requests without a first token, arrivals are counted as shed, not sent:
+    the queue stands there instead of growing to hundreds on a server that answers slowly."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    check = 0.1
+    load = Overload(ClosedLoop(0, check), 100.0, hold=3 * check, check=check, longest=3 * check, depth=3)
+    driver = Driver(f"http://127.0.0.1:{server.server_address[1]}", Requests(prompt=(10, 20), output=(1, 2)))
+    try:
+        driver.run(load, lambda by, s: 1.0)
+        assert len(driver.records) == 3 and driver.unanswered() == 3
+        assert driver.shed >= 10  # ~30 arrivals in the hold at 100/s (hang-free: the count is of arrivals, not time)
+    finally:
+        driver.stop(wait=5.0)
+        server.shutdown()
+    assert driver.unanswered() == 0 and all(r.error == "stopped" or r.finished is not None for r in driver.records)
 
 
 def test_served_counts_requests_answered_to_their_end() -> None:

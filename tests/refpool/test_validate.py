@@ -13,11 +13,11 @@ from kvdiag.cli import main
 from kvdiag.config import Config
 from kvdiag.refpool.scenarios import SCENARIOS
 from kvdiag.refpool.validate import (
-    GRACE_S, L1_VERDICTS, SCORED_FROM_S, TRUTH_SPAN_S, Report, Result, SpanTruth, _label, score, validate,
+    GRACE_S, L1_VERDICTS, SCORED_FROM_S, TRUTH_SPAN_S, Instant, Report, Result, SpanTruth, Truth, _label, score, validate,
 )
 
 KEYS = {"name", "engine", "expected", "verdict", "correct", "detection_delay_s", "slo_breach_s", "onset_s",
-        "first_l1_s", "slo_breach_at_s", "named_before_breach", "instants"}  # fmt: skip
+        "first_l1_s", "slo_breach_at_s", "named_before_breach", "instants", "truth_l1_from_s"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -196,3 +196,16 @@ def test_progress_bar_on_a_terminal() -> None:
     assert "━" in out and "0/1" in out and "1/1" in out  # the bar and its count, before and after the run
     assert "validate [1/1]" not in out  # not the piped display
     assert "final verdicts right" in out
+
+
+def test_the_truth_names_l1_from_the_first_instant_it_holds_at_half_of_those_after() -> None:
+    """``Result.l1_from``: a lone L1 label before the pool limits for good is not where it
+    began; where L1 never holds at half of the instants after any, there is none."""
+    def result(labels: str) -> Result:
+        instants = tuple(Instant(5.0 * k, "l1_kv_pressure" if c == "L" else "near_kv_capacity", c == "L", "healthy", True)
+                         for k, c in enumerate(labels))  # fmt: skip
+        return Result("s", "e", "l1_kv_pressure", "healthy", Truth("l1_kv_pressure", 1.0, 0, True, 0.0, 0.0, None), None, None, 0.0, instants)
+
+    assert result("..L......LLL.LL").l1_from == 45.0
+    assert result("LLLL").l1_from == 0.0
+    assert result("L....").l1_from is None and result("....").l1_from is None
