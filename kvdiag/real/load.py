@@ -74,14 +74,7 @@ class Overload:
     check that found admission limited (``longest`` at most, a bound for an engine that never
     is), then ``drain`` seconds pass without arrivals (fewer: the drain ends ``settle`` seconds
     after admission stopped being limited, so that a story does not end on minutes of an idle
-    engine). The engine is asked every ``check`` seconds about the last ``lookback``.
-
-Arrivals are shed while ``depth`` requests the clients sent have no first token yet (a
-gateway's queue limit): past that the queue only stands. An open loop at twice the service
-rate for two minutes queued 600 requests on a real vLLM on 2 cores; its API server, parsing
-and holding them all, then answered ``/metrics`` 30-80 s late, served gauges that lagged its
-scheduler, and the drain outlasted the story. ``depth`` keeps the backlog far above what the
-checks and the truth need (``QUEUE_FLOOR``, 5) and the server able to answer its scrapes."""
+    engine). The engine is asked every ``check`` seconds about the last ``lookback``."""
 
     opening: ClosedLoop
     rate: float
@@ -96,7 +89,6 @@ checks and the truth need (``QUEUE_FLOOR``, 5) and the server able to answer its
     longest: float = 300.0
     check: float = 5.0
     lookback: float = 10.0
-    depth: int = 48
 
     @property
     def seconds(self) -> float:
@@ -181,8 +173,6 @@ class Driver:
         self.rates: list[tuple[float, float]] = []
         #: seconds from the load's start to the first check that found admission limited
         self.limited_at: float | None = None
-        #: arrivals not sent: the clients' queue stood at an ``Overload``'s ``depth``
-        self.shed = 0
 
     # ------------------------------------------------------------------ one request
     def _prompt(self, rng: random.Random) -> tuple[str, int, int]:
@@ -250,10 +240,9 @@ class Driver:
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 return
 
-    def _arrivals(self, t: float, rate: float, end: float, depth: int | None = None) -> float:
-        """Poisson arrivals at ``rate`` from monotonic time ``t`` until ``end``, each shed
-        while ``depth`` sent requests have no first token; returns ``end`` (or where ``stop``
-        cut them short)."""
+    def _arrivals(self, t: float, rate: float, end: float) -> float:
+        """Poisson arrivals at ``rate`` from monotonic time ``t`` until ``end``; returns ``end``
+        (or where ``stop`` cut them short)."""
         if not self.rates or self.rates[-1][1] != rate:
             self.rates.append((t - self._began, rate))
         while rate > 0:
@@ -262,17 +251,8 @@ class Driver:
                 break
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 return t
-            seed = self.rng.getrandbits(32)
-            if depth is not None and self.unanswered() >= depth:
-                self.shed += 1
-                continue
-            self._spawn(seed)
+            self._spawn(self.rng.getrandbits(32))
         return end
-
-    def unanswered(self) -> int:
-        """Requests sent and not yet answered a first token (nor ended): the clients' queue."""
-        with self._lock:
-            return sum(r.first_token is None and r.finished is None and not r.error for r in self.records)
 
     def overload(self, load: Overload, limited: Limited) -> float:
         """``load`` (class docstring); blocks until its end and returns its length in seconds.
@@ -283,7 +263,7 @@ class Driver:
         rate, raised, raises = load.rate, t, 0
         over, ceiling = t + load.longest, float("inf")
         while t < over and not self._stop.is_set():
-            t = self._arrivals(t, rate, min(t + load.check, over), load.depth)
+            t = self._arrivals(t, rate, min(t + load.check, over))
             if self._stop.wait(max(0.0, t - time.monotonic())):
                 break
             if limited(load.by, load.lookback) >= 0.5:

@@ -46,8 +46,7 @@ def _load(run: StoryRun) -> str:
         return ""
     rates = ", ".join(f"{r:.2f}/s from {t:.0f}s" for t, r in run.rates)
     found = "" if run.limited_at is None else f", admission limited from {run.limited_at:.0f}s"
-    shed = f", {run.shed} shed at the clients' queue limit" if run.shed else ""
-    return f"; arrivals {rates}{found}{shed}; {run.seconds:.0f}s in all"
+    return f"; arrivals {rates}{found}; {run.seconds:.0f}s in all"
 
 
 def validate_real(args: argparse.Namespace, config: Config, render: Callable[[Console, Report], None]) -> int:

@@ -47,7 +47,6 @@ class StoryRun:
     #: ``Overload`` found admission limited (kvdiag/real/load.py): the load the engine was given
     rates: list[tuple[float, float]] = field(default_factory=list)
     limited_at: float | None = None
-    shed: int = 0  # an Overload's arrivals not sent while the clients' queue stood at its depth
     seconds: float = 0.0  # how long the story ran (an Overload's length follows the engine)
 
     @property
@@ -64,7 +63,7 @@ class StoryRun:
             "clients": {"sent": len(self.records), "first_token": len(done), "p99_ttft_s": None if p99 is None else round(p99, 2),
                         "errors": sum(bool(r.error) and r.error != "stopped" for r in self.records)},
             "load": {"seconds": round(self.seconds, 1), "rates": [(round(t, 1), round(r, 3)) for t, r in self.rates],
-                     "limited_at_s": None if self.limited_at is None else round(self.limited_at, 1), "shed": self.shed},
+                     "limited_at_s": None if self.limited_at is None else round(self.limited_at, 1)},
             "truth_per_second": self.steps.per_second(),
         }  # fmt: skip
 
@@ -141,7 +140,7 @@ def run_story(story: Story, engine: Engine, config: Config | None = None, record
     if not scrapes:
         raise RuntimeError(f"{story.name} on {name}: no scrape of {engine.url}/metrics succeeded ({scraper.failures[:1]})")
     result = score(story, name, engine.spec.pool_tokens, scrapes, steps, driver.records, end, config)
-    return StoryRun(story, name, result, steps, driver.records, scrapes, driver.rates, driver.limited_at, driver.shed, end)
+    return StoryRun(story, name, result, steps, driver.records, scrapes, driver.rates, driver.limited_at, end)
 
 
 def score(story: Story, engine: str, pool_tokens: int, scrapes: list[Scrape], steps: truth_log.Steps, records: list[Record],

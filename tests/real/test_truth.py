@@ -20,6 +20,7 @@ from kvdiag.real import envs
 from kvdiag.real.catalogue import CI_STORY, STORIES
 from kvdiag.real.load import ClosedLoop, Driver, Overload, Record, Requests
 from kvdiag.real.truth import MAX_STEP_S, Tail, TruthError, read
+from tests.conftest import hang_guard
 
 T0 = 1_800_000_000.0
 
@@ -194,7 +195,7 @@ def test_an_overload_that_never_limits_the_engine_ends_at_its_bound() -> None:
 
 class _Silent(BaseHTTPRequestHandler):
     """A server that takes each request and never sends its first token (an engine whose queue
-    does not move), until the client closes the stream."""
+    does not move) until the client closes the stream; its responses end when it closes."""
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -208,23 +209,25 @@ class _Silent(BaseHTTPRequestHandler):
         pass
 
 
-def test_an_overload_sheds_arrivals_while_its_clients_queue_stands_at_depth() -> None:
-    """Past ``depth`` requests without a first token, arrivals are counted as shed, not sent:
-    the queue stands there instead of growing to hundreds on a server that answers slowly."""
+def test_stop_ends_the_streams_still_waiting_for_a_first_token() -> None:
+    """``stop`` closes the streams of requests still queued (no chunk yet, the reader blocked
+    in recv) and joins their clients, also where the server ends its responses by closing the
+    connection (no length, not chunked: the connection gives its socket up to the response)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    check = 0.1
-    load = Overload(ClosedLoop(0, check), 100.0, hold=3 * check, check=check, longest=3 * check, depth=3)
     driver = Driver(f"http://127.0.0.1:{server.server_address[1]}", Requests(prompt=(10, 20), output=(1, 2)))
     try:
-        driver.run(load, lambda by, s: 1.0)
-        assert len(driver.records) == 3 and driver.unanswered() == 3
-        assert driver.shed >= 10  # ~30 arrivals in the hold at 100/s (hang-free: the count is of arrivals, not time)
+        threading.Thread(target=driver.run, args=(ClosedLoop(3, 3600.0),), daemon=True).start()
+        deadline = time.monotonic() + hang_guard(30)
+        while len(driver._open) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(driver._open) == 3 and len(driver.records) == 3
+        driver.stop(wait=hang_guard(30))
+        assert not any(t.is_alive() for t in driver._threads)
+        assert [r.error for r in driver.records] == ["stopped"] * 3
     finally:
-        driver.stop(wait=5.0)
         server.shutdown()
-    assert driver.unanswered() == 0 and all(r.error == "stopped" or r.finished is not None for r in driver.records)
 
 
 def test_served_counts_requests_answered_to_their_end() -> None:
