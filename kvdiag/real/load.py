@@ -207,7 +207,10 @@ class Driver:
                         rec.received += 1
                         if rec.received >= output or self._stop.is_set():
                             break
-                    rec.finished = time.time()
+                    if rec.received < output and self._stop.is_set():
+                        rec.error = "stopped"  # cut short by ``stop`` (its stream shut down), not answered
+                    else:
+                        rec.finished = time.time()
                 finally:
                     with self._lock:
                         self._open.discard(r)
