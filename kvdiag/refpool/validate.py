@@ -189,11 +189,8 @@ class Result:
         and then with one or two waiting: the truth there is ``near_kv_capacity``, and a verdict
         that does not name L1 is right; the pool limits from where a backlog or a recompute
         joins the refusals."""
-        flags = [i.pool_limits for i in self.instants]
-        for k, flag in enumerate(flags):
-            if flag and 2 * sum(flags[k:]) >= len(flags) - k:
-                return self.instants[k].t
-        return None
+        k = _first_sustained(np.array([float(i.pool_limits) for i in self.instants]))
+        return None if k is None else self.instants[k].t
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -377,9 +374,16 @@ def _onset(steps: dict[str, np.ndarray], end: float) -> float | None:
     blocked = np.bincount(idx, weights=steps["duration"] * steps["blocked_on_kv"], minlength=nbins)[:nbins]
     busy = np.bincount(idx, weights=steps["duration"], minlength=nbins)[:nbins]
     share = np.divide(blocked, busy, out=np.zeros(nbins), where=busy > 0)
-    for i in range(nbins):
+    i = _first_sustained(share)
+    return None if i is None else float(edges[i])
+
+
+def _first_sustained(share: np.ndarray) -> int | None:
+    """The first index at least half whose mean from there on is at least half too: where a
+    condition begins and then holds most of the time (a lone early spike does not count)."""
+    for i in range(len(share)):
         if share[i] >= 0.5 and share[i:].mean() >= 0.5:
-            return float(edges[i])
+            return i
     return None
 
 

@@ -26,8 +26,8 @@ Why a stale marker: a stall outlasts the scrape timeout, the scrape fails, and P
 the target's series stale at that scrape's timestamp. An evaluation at a timestamp after it finds
 an instant input absent (``instance:kvdiag_instance:info`` in a join), so its result is absent and
 the rule's series gets a stale marker at that timestamp (and the rules reading that series in
-turn); the repeated evaluation, after the next
-scrape landed, computes a value there and is refused. Absent is what the rule should say while
+turn); the repeated evaluation, after the next scrape landed, computes a value there and is
+refused. Absent is what the rule should say while
 its target's last scrape failed: a failed CI run's ``instance:kvdiag_prefix_hit:ratio5m``.
 """
 
