@@ -15,12 +15,14 @@ from tests.mixin.test_differential import INTERVAL
 from tests.mixin.test_promtool import _without_annotations
 
 
-def run_rule_tests(groups: list[dict], tmp_path: Path, name: str, timeout: float = 600) -> None:
-    """The groups (promtool's ``tests``), evaluated every 15 s with the recording rules and the
-    alerts (annotations left out) in their groups' order; fails with promtool's report."""
+def run_rule_tests(groups: list[dict], tmp_path: Path, name: str, timeout: float = 600,
+                   recording: Path = ROOT / RULES_RECORDING) -> None:
+    """The groups (promtool's ``tests``), evaluated every 15 s with the recording rules (the
+    committed ones unless ``recording`` names others) and the alerts (annotations left out) in
+    their groups' order; fails with promtool's report."""
     promtool = need("promtool")
     doc = {
-        "rule_files": [str(ROOT / RULES_RECORDING), str(_without_annotations(ROOT / RULES_ALERTS, tmp_path / "alerts.yaml"))],
+        "rule_files": [str(recording), str(_without_annotations(ROOT / RULES_ALERTS, tmp_path / "alerts.yaml"))],
         "evaluation_interval": f"{int(INTERVAL)}s",
         "group_eval_order": rule_groups(),
         "tests": groups,
