@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -216,6 +217,26 @@ def _live_diagnosis(engine: Engine) -> dict:
     pytest.fail(f"{LIVE_TRIES} live diagnoses ended on lulls of the overload: " + json.dumps(inst)[:4000])
 
 
+def _page_names_l1(chromium: str, exporter: str, instance: str, tail: Tail, tmp_path: Path) -> None:
+    """The landing page in Chromium shows the exporter's L1 verdict for the real vLLM. The
+    exporter's verdict follows the engine, whose overload comes in clumps (a fresh-clone CI run
+    on 2026-12-04 found the page at 0 running, 0 waiting, ``healthy``); as for the live diagnosis, a page
+    that does not name L1 is loaded again only where the engine's own scheduler was not
+    refusing for KV over the last 30 s."""
+    for _ in range(LIVE_TRIES):
+        dom = subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
+                              "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+        rows = dict(re.findall(r'<tr data-instance="([^"]+)">(.*?)</tr>', dom, re.S))
+        assert instance in rows, dom[-3000:]
+        if re.search(r"l1_kv_(bottleneck|pressure)", rows[instance]):
+            return
+        kv = tail.limited("kv", 30.0)
+        assert kv < 0.5, f"refused for KV in {kv:.0%} of the last 30 s: " + rows[instance][:4000]
+        print(f"the page showed a lull of the overload (refused for KV in {kv:.0%} of the last 30 s); loaded again")
+        time.sleep(15)
+    pytest.fail(f"{LIVE_TRIES} loads of the page fell on lulls of the overload: " + rows[instance][:4000])
+
+
 def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
     """docker-compose.yml's stack (tests/deploy/stack.py) with the real vLLM in place of vllm-sim:
     Prometheus scrapes it and the exporter with rules/ loaded (every ``for:`` at 5 s), the L1
@@ -243,15 +264,11 @@ def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
             assert received["status"]["state"] == "active"
             l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict=~"l1_kv_bottleneck|l1_kv_pressure"} == 1'
             Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], hang_guard(60), "the exporter's L1 verdict for vLLM in Prometheus")
-            inst = _live_diagnosis(vllm)
             if CHROMIUM is not None:
-                dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
-                                      "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
-                rows = dict(re.findall(r'<tr data-instance="([^"]+)">(.*?)</tr>', dom, re.S))
-                assert inst["instance"] in rows, dom[-3000:]
-                assert re.search(r"l1_kv_(bottleneck|pressure)", rows[inst["instance"]]), rows[inst["instance"]]
+                _page_names_l1(CHROMIUM, exporter, f"{vllm.url} engine=0", Tail(vllm.truth_path), tmp_path)
             elif os.environ.get("CI", "").lower() == "true":
                 pytest.fail("chromium is not installed (scripts/system-deps.sh)")
+            _live_diagnosis(vllm)
     finally:
         driver.stop()
     wait_idle(vllm)
