@@ -14,11 +14,9 @@ from itertools import product
 from pathlib import Path
 
 from kvdiag.checks.catalog import FINDINGS, SIGNALS, VERDICTS
-from kvdiag.checks.verdict import decide
 from kvdiag.config import Config
-from kvdiag.model import CheckResult, Evidence
 from kvdiag.render.promql import Labels
-from kvdiag.render.rules import CHECKS_GROUP, PATTERN, dump, pattern_code, pattern_rule
+from kvdiag.render.rules import CHECKS_GROUP, PATTERN, _decided, dump, pattern_code, pattern_rule
 from tests.mixin.rule_tests import run_rule_tests
 
 STATES = ("firing", "ok", "unknown")
@@ -26,14 +24,12 @@ LABELS = {"job": "kvdiag-patterns", "model_name": "m", "engine": "0", "dp_rank":
 ALERTS = "|".join(a for a in [v.alert for v in VERDICTS.values()] + [f.alert for f in FINDINGS.values()] if a)
 
 
+def _name(name: str, instance: str, **extra: str) -> str:
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in {**LABELS, "instance": instance, **extra}.items()) + "}"
+
+
 def _series(name: str, instance: str, value: float, **extra: str) -> dict:
-    labels = {**LABELS, "instance": instance, **extra}
-    return {"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", "values": f"{value:g}x8"}
-
-
-def _verdict(pattern: tuple[str, ...]) -> str:
-    ev = Evidence(0.0, 0.0, 0)
-    return decide({c: CheckResult(c, st, ev) for c, st in zip(SIGNALS.values(), pattern)}, Config()).name  # type: ignore[arg-type]
+    return {"series": _name(name, instance, **extra), "values": f"{value:g}x8"}
 
 
 def test_every_status_pattern_gives_the_python_verdicts_alert(tmp_path: Path) -> None:
@@ -53,9 +49,8 @@ def test_every_status_pattern_gives_the_python_verdicts_alert(tmp_path: Path) ->
                 inputs.append(_series("instance:kvdiag_check:status", instance, 1, check=check))
             for check in f.none_of:
                 inputs.append(_series("instance:kvdiag_check:status", instance, 0, check=check))
-        codes.append({"labels": PATTERN + "{" + ",".join(f'{k}="{v}"' for k, v in {**LABELS, "instance": instance}.items()) + "}",
-                      "value": pattern_code(pattern)})
-        verdict = _verdict(pattern)
+        codes.append({"labels": _name(PATTERN, instance), "value": pattern_code(pattern)})
+        verdict = _decided(pattern, Config())  # the Python decision itself
         expected = [VERDICTS[verdict].alert] + [f.alert for f in findings if not f.verdicts or verdict in f.verdicts]
         alerts += [{"labels": f'{{alertname="{a}",instance="{instance}"}}', "value": 1} for a in expected if a]
         reached.update(a for a in expected if a)

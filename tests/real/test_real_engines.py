@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -192,49 +192,46 @@ def _overload(engine: Engine) -> Driver:
     return driver
 
 
-#: Live diagnoses the stack test may take: one that ends on a lull of the load is taken again.
+#: Live readings the stack test may take: one that falls on a lull of the load is taken again.
 LIVE_TRIES = 3
 
 
-def _live_diagnosis(engine: Engine) -> dict:
-    """``kvdiag diagnose URL --json`` for 75 s (the queue's checks need a minute of samples),
-    judged against the engine's own truth at its end. The overload's open loop comes to the
-    engine in clumps: on an idle CI machine its queue went 168 -> 0 inside one diagnosis, which
-    then ended on an engine running one request and read ``healthy``. Where the engine's
-    scheduler was not refusing for KV over the last 30 s, that is not the pool limiting, and
-    the diagnosis is taken again; where it was, the verdict must name the pool or its queue."""
-    tail = Tail(engine.truth_path)
+def _outside_lulls(tail: Tail, attempt: Callable[[], tuple[bool, str]], what: str, pause_s: float = 0.0) -> None:
+    """``attempt`` (a live reading of the engine: whether it names the pool, and what it showed)
+    until it names the pool, judged against the engine's own truth. The overload's open loop
+    comes to the engine in clumps: on an idle CI machine its queue went 168 -> 0 inside one
+    diagnosis, which then ended on an engine running one request and read ``healthy``, and a
+    later run found the landing page at 0 running, 0 waiting. Where the engine's scheduler was
+    not refusing for KV over the last 30 s, that is not the pool limiting, and the reading is
+    taken again (``pause_s`` later); where it was, the reading must name the pool."""
     for _ in range(LIVE_TRIES):
-        live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", engine.url, "--interval", "5s", "--duration", "75s",
-                               "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
-        (inst,) = json.loads(live.stdout)["instances"]
-        assert inst["engine"] == "vllm" and inst["instance"] == f"{engine.url} engine=0"  # vLLM's engine label
-        if inst["verdict"] in L1_VERDICTS or inst["verdict"] == "queue_without_kv_pressure":
-            return inst
-        kv = tail.limited("kv", 30.0)
-        assert kv < 0.5, f"refused for KV in {kv:.0%} of the last 30 s: " + json.dumps(inst)[:4000]
-        print(f"the live diagnosis ended on a lull (refused for KV in {kv:.0%} of the last 30 s): {inst['verdict']}; taken again")
-    pytest.fail(f"{LIVE_TRIES} live diagnoses ended on lulls of the overload: " + json.dumps(inst)[:4000])
-
-
-def _page_names_l1(chromium: str, exporter: str, instance: str, tail: Tail, tmp_path: Path) -> None:
-    """The landing page in Chromium shows the exporter's L1 verdict for the real vLLM. The
-    exporter's verdict follows the engine, whose overload comes in clumps (a fresh-clone CI run
-    on 2026-12-04 found the page at 0 running, 0 waiting, ``healthy``); as for the live diagnosis, a page
-    that does not name L1 is loaded again only where the engine's own scheduler was not
-    refusing for KV over the last 30 s."""
-    for _ in range(LIVE_TRIES):
-        dom = subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
-                              "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
-        rows = dict(re.findall(r'<tr data-instance="([^"]+)">(.*?)</tr>', dom, re.S))
-        assert instance in rows, dom[-3000:]
-        if re.search(r"l1_kv_(bottleneck|pressure)", rows[instance]):
+        named, shown = attempt()
+        if named:
             return
         kv = tail.limited("kv", 30.0)
-        assert kv < 0.5, f"refused for KV in {kv:.0%} of the last 30 s: " + rows[instance][:4000]
-        print(f"the page showed a lull of the overload (refused for KV in {kv:.0%} of the last 30 s); loaded again")
-        time.sleep(15)
-    pytest.fail(f"{LIVE_TRIES} loads of the page fell on lulls of the overload: " + rows[instance][:4000])
+        assert kv < 0.5, f"{what}: refused for KV in {kv:.0%} of the last 30 s: " + shown[:4000]
+        print(f"{what} fell on a lull (refused for KV in {kv:.0%} of the last 30 s); taken again")
+        time.sleep(pause_s)
+    pytest.fail(f"{LIVE_TRIES} times {what} fell on lulls of the overload: " + shown[:4000])
+
+
+def _live_diagnosis(engine: Engine) -> tuple[bool, str]:
+    """``kvdiag diagnose URL --json`` for 75 s (the queue's checks need a minute of samples):
+    does it name the pool or its queue."""
+    live = subprocess.run([sys.executable, "-m", "kvdiag", "diagnose", "--json", engine.url, "--interval", "5s", "--duration", "75s",
+                           "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    (inst,) = json.loads(live.stdout)["instances"]
+    assert inst["engine"] == "vllm" and inst["instance"] == f"{engine.url} engine=0"  # vLLM's engine label
+    return inst["verdict"] in L1_VERDICTS or inst["verdict"] == "queue_without_kv_pressure", json.dumps(inst)
+
+
+def _page(chromium: str, exporter: str, instance: str, tmp_path: Path) -> tuple[bool, str]:
+    """The landing page in Chromium: does its row for ``instance`` show the exporter's L1 verdict."""
+    dom = subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000",
+                          "--dump-dom", exporter + "/"], capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    rows = dict(re.findall(r'<tr data-instance="([^"]+)">(.*?)</tr>', dom, re.S))
+    assert instance in rows, dom[-3000:]
+    return re.search(r"l1_kv_(bottleneck|pressure)", rows[instance]) is not None, rows[instance]
 
 
 def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
@@ -264,11 +261,12 @@ def test_the_stack_on_a_real_vllm(vllm: Engine, tmp_path: Path) -> None:
             assert received["status"]["state"] == "active"
             l1 = 'kvdiag_verdict{job="kvdiag",engine="vllm",verdict=~"l1_kv_bottleneck|l1_kv_pressure"} == 1'
             Process.wait(lambda: _get(prom + "/api/v1/query", query=l1)["data"]["result"], hang_guard(60), "the exporter's L1 verdict for vLLM in Prometheus")
-            if CHROMIUM is not None:
-                _page_names_l1(CHROMIUM, exporter, f"{vllm.url} engine=0", Tail(vllm.truth_path), tmp_path)
+            tail = Tail(vllm.truth_path)
+            if CHROMIUM is not None:  # read first, while the exporter's L1 verdict is fresh
+                _outside_lulls(tail, lambda: _page(CHROMIUM, exporter, f"{vllm.url} engine=0", tmp_path), "the landing page", pause_s=15)
             elif os.environ.get("CI", "").lower() == "true":
                 pytest.fail("chromium is not installed (scripts/system-deps.sh)")
-            _live_diagnosis(vllm)
+            _outside_lulls(tail, lambda: _live_diagnosis(vllm), "the live diagnosis")
     finally:
         driver.stop()
     wait_idle(vllm)
