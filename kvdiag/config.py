@@ -57,6 +57,7 @@ class Config:
     min_evictions: float = _opt(1, "count", "evictions_growing: retract/preempt increase over the recent span that fires")
     evictions_recent_window: float = _opt(60.0, "duration", "evictions_growing: the recent span whose evictions fire (an eviction older than this, still in the window, is evidence only: it proves the pool ran out then, not that it limits now, unless the pool stayed full since)")
     evictions_held_usage: float = _opt(0.85, "ratio", "evictions_growing: an eviction in the window but before evictions_recent_window still fires while usage + the next admission's need reached this at every sample of that recent span (the pool that ran out is still that full)")
+    evictions_storm: float = _opt(10, "count", "kv_usage_saturated (storm): this many retract/preempt events over evictions_recent_window, with queue_min_growth or more requests waiting (the most over saturated_short_window), prove the pool runs out again and again whatever the usage gauge reads between them")
     ttft_slo: float = _opt(10.0, "duration", "ttft_p99_high: the TTFT SLO the quantile is compared with")
     ttft_quantile: float = _opt(0.99, "ratio", "ttft_p99_high: the quantile estimated from the TTFT histogram")
     min_ttft_observations: float = _opt(10, "count", "ttft_p99_high: first tokens needed in the window for a quantile (traffic floor)")

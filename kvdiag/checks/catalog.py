@@ -150,11 +150,15 @@ CHECKS = (
         "{saturated_short_window} (short window), or in >= {saturated_fraction} of the {window} window "
         "(its 1 - saturated_fraction quantile) and at its end (long window), or, on an engine that reserves output, "
         "with >= {queue_min_growth} requests waiting and every running "
-        "request (the most over {saturated_short_window}) reserved its whole remaining output (reserve ratio 1) (reserve)",
-        ("window", "saturated_usage", "saturated_fraction", "saturated_short_window", "queue_min_growth"),
+        "request (the most over {saturated_short_window}) reserved its whole remaining output (reserve ratio 1) (reserve), "
+        "or the eviction counter rose >= {evictions_storm} over the last {evictions_recent_window} with >= "
+        "{queue_min_growth} requests waiting (the most over {saturated_short_window}): the pool ran out again and again "
+        "between the samples (storm)",
+        ("window", "saturated_usage", "saturated_fraction", "saturated_short_window", "queue_min_growth",
+         "evictions_storm", "evictions_recent_window"),
         ("usage_ratio", "capacity_tokens", "decode_reserve_ratio", "running", "prompt_tokens_total",
          "generation_tokens_total", "requests_total", "prefix_hit_tokens_total", "prefix_query_tokens_total",
-         "waiting_deferred", "waiting"),
+         "waiting_deferred", "waiting", "evictions_total"),
         False,
         "min_over_time(instance:kvdiag_kv_usage:ratio[{saturated_short_window}])"
         " + instance:kvdiag_kv_admission_need:ratio{window} >= {saturated_usage}"
@@ -165,7 +169,9 @@ CHECKS = (
         " + (1 - instance:kvdiag_decode_reserve:ratio) * instance:kvdiag_output_tokens:avg{window}"
         " * max_over_time(instance:kvdiag_running:requests[{saturated_short_window}]) / instance:kvdiag_kv_capacity:tokens"
         " >= {saturated_usage}"
-        " and instance:kvdiag_waiting:requests >= {queue_min_growth})",
+        " and instance:kvdiag_waiting:requests >= {queue_min_growth})"
+        " or (instance:kvdiag_evictions:rate{evictions_recent_window} * {evictions_recent_window_seconds} >= {evictions_storm}"
+        " and max_over_time(instance:kvdiag_waiting:requests[{saturated_short_window}]) >= {queue_min_growth})",
     ),
     CheckSpec(
         "queue_growing",

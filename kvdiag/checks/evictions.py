@@ -25,6 +25,8 @@ range's edges), so the rule ``instance:kvdiag_evictions:rate1m * 60 >= 1 or (ins
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvdiag.checks import stats
 from kvdiag.checks.admission import admission_usage
 from kvdiag.checks.base import absent, needs_window, result, since, span, too_short
@@ -52,8 +54,7 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     if too_short(ts, config):
         return needs_window(NAME, ts, config, {"evictions_total": float(total[-1])})
     increase = stats.rise(ts, total, window.end, config.window)
-    short = stats.select(ts, window.end, config.evictions_recent_window)
-    recent = stats.rise(ts[short], total[short], window.end, config.evictions_recent_window)
+    recent = _rise_over(ts, total, window.end, config.evictions_recent_window)
     held = _held_usage(window, config)
     resets = count_resets(total)
     minutes = (ts[-1] - ts[0]) / 60.0
@@ -89,6 +90,18 @@ def evaluate(window: Window, config: Config) -> CheckResult:
                     "; the pool has not stayed full since" + (f" (usage + next admission down to {held:.2f})" if held is not None else ""))
     firing = recent >= config.min_evictions or (increase >= config.min_evictions and held_full)
     return result(NAME, firing, ts, values, summary)
+
+
+def recent_rise(window: Window, config: Config) -> float | None:
+    """The counter's rise over ``evictions_recent_window``, as the rules read it
+    (``instance:kvdiag_evictions:rate1m * 60``); None where the engine reports no counter."""
+    ts, total = span(window, config, "evictions_total")
+    return _rise_over(ts, total, window.end, config.evictions_recent_window) if len(total) else None
+
+
+def _rise_over(ts: np.ndarray, total: np.ndarray, end: float, seconds: float) -> float:
+    short = stats.select(ts, end, seconds)
+    return stats.rise(ts[short], total[short], end, seconds)
 
 
 def _held_usage(window: Window, config: Config) -> float | None:

@@ -32,6 +32,14 @@ evictable / available split.
   length, a 2,048-token pool) ran 2-3 of 16 requests with 21-22 waiting and its usage gauge at
   0.42-0.81: the reserve refused admission while the gauge never pinned.
 
+- **storm**: the eviction counter rose ``evictions_storm`` (10) or more over
+  ``evictions_recent_window`` while ``queue_min_growth`` or more requests waited (the most over
+  ``saturated_short_window``). An engine evicts a running request only when the pool has no room
+  for its next tokens, and the eviction frees the victim's KV at once, so the gauge a scrape reads
+  drops after each one and climbs back: a real engine that preempts, under overload, saw-toothed between 0.57 and 1
+  with 153 preemptions a minute, read as "a spike at the end" by the two windows above. Each
+  eviction is a moment the pool was full that no scrape saw.
+
 Any fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
 ``instance:kvdiag_kv_admission_need:ratio5m``::
 
@@ -40,13 +48,14 @@ Any fires. PromQL, over the recorded ``instance:kvdiag_kv_usage:ratio`` and
     or (waiting >= 5
         and min_over_time(usage[20s]) + need
             + (1 - reserve_ratio) * output_per_request * max_over_time(running[20s]) / capacity >= 0.95)
+    or (evictions_rate1m * 60 >= 10 and max_over_time(waiting[20s]) >= 5)
 """
 
 from __future__ import annotations
 
 import math
 
-from kvdiag.checks import stats
+from kvdiag.checks import evictions, stats
 from kvdiag.checks.admission import AdmissionUsage, admission_usage
 from kvdiag.checks.base import absent, result, span
 from kvdiag.config import Config
@@ -76,6 +85,12 @@ def evaluate(window: Window, config: Config) -> CheckResult:
     slow = long_q + adm.need_ratio >= u and last + adm.need_ratio >= u
     gap, waiting = reserve_gap(window, config, adm), queue_waiting(window, config)
     reserved = gap is not None and waiting and short_min + adm.need_ratio + gap >= u
+    # The storm reads the most waiting over the short window: an open loop reaches a real engine
+    # in clumps, and a scrape between two of them can find the queue empty inside an overload
+    # (a real engine read 0 running, 0 waiting at a scrape while its scheduler refused for KV).
+    evicted, most_waiting = evictions.recent_rise(window, config), short_max(window, config, "waiting")
+    storm = (evicted is not None and evicted >= config.evictions_storm
+             and most_waiting is not None and most_waiting >= config.queue_min_growth)
     share = float((usage + adm.need_ratio >= u).mean())
     values = {
         "admission_usage_last": adm.admission,
@@ -99,6 +114,9 @@ def evaluate(window: Window, config: Config) -> CheckResult:
         "reserve_running": reserve_running(window, config),
         "queue_waiting": waiting,
         "reserve_blocked": reserved,
+        "evictions_recent": evicted,
+        "waiting_short_max": most_waiting,
+        "eviction_storm": storm,
         "threshold": u,
         "required_share": config.saturated_fraction,
         "granularity": window.last.usage_granularity,
@@ -119,14 +137,18 @@ def evaluate(window: Window, config: Config) -> CheckResult:
                     f"the engine reserves output: usage (its least over the last {config.saturated_short_window:g}s) + need with every running request reserved its whole remaining "
                     f"output (ratio 1, not {adm.reserve_ratio:.3g}) is {against(at_full, u)}"
                     + (": the reserve can be what refuses admission" if reserved else ""))
-    if not (fast or slow or reserved) and adm.admission >= u:
+    if storm and not (fast or slow or reserved):  # the gauge missed what the evictions show
+        summary += (f"; {evicted:.0f} evictions in the last {config.evictions_recent_window:g}s "
+                    f"({config.evictions_storm:g} needed) with up to {most_waiting:,.0f} requests waiting: the pool runs out "
+                    "again and again, and the gauge saw-tooths between the evictions (each frees its victim's KV at once)")
+    elif not (fast or slow or reserved) and adm.admission >= u:
         summary += ("; a spike at the end, not a pinned pool" if not earlier.any() else
                     f"; at {u:g} now and at times before, below it in {1 - share:.0%} of the window: the gauge "
                     "saw-tooths (each eviction frees its victim's KV at once), it is not pinned")
     values.update(pool_values(window))
     if values["pools"]:
         summary += f"; {values['pools']}"
-    return result(NAME, fast or slow or reserved, ts, values, summary)
+    return result(NAME, fast or slow or reserved or storm, ts, values, summary)
 
 
 def reserve_gap(window: Window, config: Config, adm: AdmissionUsage) -> float | None:
@@ -147,8 +169,14 @@ def reserve_running(window: Window, config: Config) -> float | None:
     admits among the waiting no more and among the running not yet. A real engine of this kind whose reserve
     held 2-3 requests running beside 20 waiting read 1 running at such scrapes (its usage just
     after a request finished, 0.26-0.41), which put the reserve bound at 0.75-0.90 for a scrape."""
-    ts, running = span(window, config, "running")
-    short = running[stats.select(ts, window.end, config.saturated_short_window)]
+    return short_max(window, config, "running")
+
+
+def short_max(window: Window, config: Config, field: str) -> float | None:
+    """The most of ``field`` over ``saturated_short_window``, as ``max_over_time`` reads it;
+    None without a sample there."""
+    ts, values = span(window, config, field)
+    short = values[stats.select(ts, window.end, config.saturated_short_window)]
     return float(short.max()) if len(short) else None
 
 

@@ -89,11 +89,34 @@ def test_pressure_names_the_missing_signal(engine: str, kw: dict, missing: str) 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_short_spike_at_the_end_is_pressure_not_a_pinned_pool(engine: str) -> None:
     usage = lambda i: 0.97 if i >= 57 else 0.6  # noqa: E731
-    d = run(engine, usage=usage, waiting=ramp(1, 1), running=const(48), evictions=const(1))
+    twice_a_minute = lambda i: 1 if i % 6 == 0 else 0  # noqa: E731 (a storm is evictions_storm a minute)
+    d = run(engine, usage=usage, waiting=ramp(1, 1), running=const(48), evictions=twice_a_minute)
     assert d.checks["kv_usage_saturated"].status == "ok"
     assert "spike at the end" in d.checks["kv_usage_saturated"].evidence.summary
     assert d.verdict.name == "l1_kv_pressure"
     assert "not firing: kv_usage_saturated" in d.verdict.reason and "short spike is pressure" in d.verdict.reason
+
+
+SAW_TOOTH = lambda i: (0.57, 0.75, 0.9, 1.0)[i % 4]  # noqa: E731 (each preemption frees its victim's KV at once)
+CLUMPS = lambda i: 0 if i % 3 == 2 else 90  # noqa: E731 (an open loop's arrivals, the newest scrape between two clumps)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_preemption_storm_is_a_pool_that_runs_out_not_a_spike(engine: str) -> None:
+    d = run(engine, usage=SAW_TOOTH, waiting=CLUMPS, running=const(20), evictions=const(3))
+    s = d.checks["kv_usage_saturated"]
+    assert s.status == "firing" and s.evidence.values["eviction_storm"] is True
+    assert not s.evidence.values["short_window_pinned"] and not s.evidence.values["long_window_pinned"]
+    assert "36 evictions in the last 60s (10 needed) with up to 90 requests waiting" in s.evidence.summary
+    assert "runs out again and again" in s.evidence.summary and "spike" not in s.evidence.summary
+    assert d.verdict.name in ("l1_kv_bottleneck", "l1_kv_pressure")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_storm_with_nobody_waiting_stays_transient(engine: str) -> None:
+    d = run(engine, usage=SAW_TOOTH, waiting=lambda i: 4 if i % 3 == 2 else 0, running=const(20), evictions=const(3))
+    assert d.checks["kv_usage_saturated"].status == "ok" and d.checks["evictions_growing"].status == "firing"
+    assert d.verdict.name == "healthy" and "transient_evictions" in findings(d)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
