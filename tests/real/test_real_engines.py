@@ -173,7 +173,9 @@ def test_vllm_reference_engine_calibrated_on_the_real_story(vllm_saturation: Tol
 @pytest.mark.xfail(reason="issue 28: the open loop reaches vLLM in clumps on 2 cores (cause not settled: the client process or "
                    "vLLM's API server short of CPU), so its queue empties inside the overload and a scrape reads it so: on the idle CI machine "
                    "(stop 35) 3 instants at 270-280 s read healthy while the truth named L1; on the development machine 1 of 30 "
-                   "(125 s, 1 running, 0 waiting by the engine's own scheduler), 10/10 right on the next run", strict=False)  # fmt: skip
+                   "(125 s, 1 running, 0 waiting by the engine's own scheduler), 10/10 right on the next run; on a later run 2 of 16 (248 s, "
+                   "251 s): after 73 s without an answer from /metrics, two scrapes read an empty engine that the empty-readings "
+                   "filter could not rule out (473 requests finished over the gap against 400 held)", strict=False)  # fmt: skip
 def test_vllm_saturation_right_at_every_instant(vllm_saturation: Told) -> None:
     _right_at_every_instant(vllm_saturation)
 
